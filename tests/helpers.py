@@ -1,0 +1,30 @@
+"""Launch the training scripts the way a user does (torchrun or plain python) and read what they write."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+
+
+def run_script(script, *flags, nproc=1, torchrun=True, timeout=600, env=None):
+    """Run SCRIPT with FLAGS on NPROC CPU ranks (gloo); returns the CompletedProcess (text output)."""
+    launcher = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if torchrun else [PYTHON]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run([*launcher, str(REPO / script), *map(str, flags)], cwd=REPO, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def check(result):
+    """The run succeeded; show its output if it did not."""
+    assert result.returncode == 0, f"exit {result.returncode}\n--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-6000:]}"
+    return result
+
+
+def read_metrics(out_dir):
+    rows = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+    train = {row["step"]: row for row in rows if "loss" in row}
+    val = {row["step"]: row["val_loss"] for row in rows if "val_loss" in row}
+    return train, val

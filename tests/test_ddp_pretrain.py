@@ -1,0 +1,148 @@
+"""ddp_pretrain.py end to end on CPU with gloo: init sanity, metrics, exact resume, loss normalisation, bad input."""
+import hashlib
+import json
+import math
+import random
+import re
+import shutil
+
+import pytest
+
+from helpers import check, read_metrics, run_script
+
+TINY_RUN = ["--model", "tiny", "--max-steps", 20, "--save-every", 10, "--eval-every", 10]
+
+
+@pytest.fixture(scope="module")
+def twenty_steps(tmp_path_factory):
+    """One 2-rank run of 20 steps that saves at steps 10 and 20; several tests read it."""
+    out = tmp_path_factory.mktemp("ddp") / "run"
+    result = check(run_script("ddp_pretrain.py", *TINY_RUN, "--out-dir", out, nproc=2))
+    return out, result
+
+
+def test_first_loss_is_log_vocab_size(twenty_steps):
+    train, val = read_metrics(twenty_steps[0])
+    assert abs(train[1]["loss"] - math.log(50_304)) < 0.5
+    assert abs(val[0] - math.log(50_304)) < 0.5  # evaluated before the first step
+
+
+def test_every_step_is_logged_with_consistent_token_counts(twenty_steps):
+    train, val = read_metrics(twenty_steps[0])
+    assert sorted(train) == list(range(1, 21)) and sorted(val) == [0, 10, 20]
+    for row in train.values():
+        assert row["batch_size"] == 512 // row["bucket_len"]
+        assert row["padded_tokens"] == 2 * row["batch_size"] * row["bucket_len"]  # 2 ranks, no accumulation
+        assert row["target_tokens"] < row["tokens"] <= row["padded_tokens"]
+        assert row["tokens_per_s"] > 0 and row["peak_mem_gb"] > 0 and row["mfu"] is None  # no peak FLOPs for CPUs
+    assert train[1]["lr"] < train[5]["lr"]  # warming up
+    assert val[20] < val[0] - 1.0  # it learns
+
+
+def test_run_prints_non_padding_share_of_at_least_90_percent(twenty_steps):
+    share = float(re.search(r"non-padding share ([\d.]+)%", twenty_steps[1].stdout).group(1))
+    assert share >= 90.0
+
+
+def test_keep_last_leaves_the_newest_checkpoints(twenty_steps):
+    assert sorted(p.name for p in (twenty_steps[0] / "checkpoints").iterdir()) == ["step_10", "step_20"]
+
+
+def test_resume_from_step_10_reproduces_steps_11_to_20(twenty_steps, tmp_path):
+    out, _ = twenty_steps
+    shutil.copytree(out / "checkpoints" / "step_10", tmp_path / "checkpoints" / "step_10")
+    check(run_script("ddp_pretrain.py", *TINY_RUN, "--out-dir", tmp_path, "--resume", nproc=2))
+    original, _ = read_metrics(out)
+    resumed, _ = read_metrics(tmp_path)
+    assert sorted(resumed) == list(range(11, 21))
+    for step in range(11, 21):
+        assert resumed[step]["loss"] == pytest.approx(original[step]["loss"], abs=1e-6)
+        assert resumed[step]["grad_norm"] == pytest.approx(original[step]["grad_norm"], rel=1e-6)
+        assert resumed[step]["bucket_len"] == original[step]["bucket_len"]
+
+
+def write_unequal_documents(path, n=40, seed=0):
+    rng = random.Random(seed)
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    lengths = [rng.randint(3, 45) for _ in range(n)]
+    with open(path, "w") as f:
+        for length in lengths:
+            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(length))}) + "\n")
+    return lengths
+
+
+def test_gradients_do_not_depend_on_how_the_global_batch_is_split(tmp_path):
+    """Same 8 unequal-length samples: 1 rank x 8, 2 ranks x 4, 1 rank x 2 micro-batches x 4."""
+    data = tmp_path / "docs.jsonl"
+    lengths = write_unequal_documents(data)
+    assert len(set(lengths)) > 10  # unequal lengths: a mean of per-batch means would differ
+    common_flags = ["--model", "tiny", "--data", data, "--buckets", 64, "--max-steps", 2, "--warmup-steps", 1,
+                    "--cache-dir", tmp_path / "cache"]
+    layouts = {"1 rank": (1, 512, 1), "2 ranks": (2, 256, 1), "2 micro-steps": (1, 256, 2)}
+    rows = {}
+    for name, (nproc, tokens_per_batch, grad_accum) in layouts.items():
+        out = tmp_path / name.replace(" ", "_")
+        check(run_script("ddp_pretrain.py", *common_flags, "--tokens-per-batch", tokens_per_batch,
+                         "--grad-accum", grad_accum, "--out-dir", out, nproc=nproc))
+        rows[name] = read_metrics(out)[0]
+    reference = rows["1 rank"]
+    for name in layouts:
+        for step in (1, 2):
+            assert rows[name][step]["target_tokens"] == reference[step]["target_tokens"]
+            assert rows[name][step]["loss"] == pytest.approx(reference[step]["loss"], abs=1e-5)
+            assert rows[name][step]["grad_norm"] == pytest.approx(reference[step]["grad_norm"], rel=1e-5)
+
+
+def test_plain_python_runs_as_a_single_process(tmp_path):
+    check(run_script("ddp_pretrain.py", "--model", "tiny", "--max-steps", 2, "--out-dir", tmp_path, torchrun=False))
+    train, _ = read_metrics(tmp_path)
+    assert sorted(train) == [1, 2] and train[1]["padded_tokens"] == train[1]["batch_size"] * train[1]["bucket_len"]
+
+
+def tree_hashes(folder):
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+BAD_INPUTS = {
+    "missing data path": (["--data", "{tmp}/nope/train.txt"], "--data"),
+    "folder without data files": (["--data", "{tmp}/empty_folder"], "--data"),
+    "empty dataset": (["--data", "{tmp}/blank.txt"], "--data"),
+    "missing text column": (["--data", "{tmp}/content.jsonl"], "--text-field"),
+    "unknown model": (["--model", "huge"], "--model"),
+    "batch smaller than largest bucket": (["--model", "tiny", "--tokens-per-batch", 64], "--tokens-per-batch"),
+    "buckets not numbers": (["--model", "tiny", "--buckets", "short,long"], "--buckets"),
+    "resume with no checkpoint": (["--model", "tiny", "--resume"], "--resume"),
+    "fresh run over existing checkpoints": (["--model", "tiny", "--out-dir", "{tmp}/existing"], "--resume"),
+    "resume with another model": (["--model", "small", "--out-dir", "{tmp}/existing", "--resume"], "--model"),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_input_files(tmp_path_factory, twenty_steps):
+    tmp = tmp_path_factory.mktemp("bad")
+    (tmp / "empty_folder").mkdir()
+    (tmp / "blank.txt").write_text("  \n\n ")
+    (tmp / "content.jsonl").write_text(json.dumps({"content": "some text"}) + "\n")
+    shutil.copytree(twenty_steps[0] / "checkpoints", tmp / "existing" / "checkpoints")
+    return tmp
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_gives_one_clear_line_and_touches_no_checkpoint(case, bad_input_files, tmp_path):
+    flags, named_flag = BAD_INPUTS[case]
+    flags = [str(f).replace("{tmp}", str(bad_input_files)) for f in flags]
+    if "--out-dir" not in flags:
+        flags += ["--out-dir", tmp_path / "run"]
+    before = tree_hashes(bad_input_files)
+    result = run_script("ddp_pretrain.py", *flags, "--cache-dir", tmp_path / "cache", torchrun=False)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr + result.stdout
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(error_lines) == 1 and named_flag in error_lines[0], result.stderr
+    assert tree_hashes(bad_input_files) == before
+
+
+def test_bad_input_under_torchrun_is_reported_once(tmp_path):
+    result = run_script("ddp_pretrain.py", "--data", tmp_path / "missing.txt", "--out-dir", tmp_path / "run", nproc=2)
+    assert result.returncode != 0
+    assert result.stderr.count("error: --data") == 1

@@ -1,0 +1,56 @@
+"""Model presets: the recipe's exact shape, tied embeddings, checkpointing on every layer, sane init."""
+import math
+
+import torch
+
+import common
+
+
+def test_qwen2_preset_has_the_recipe_parameter_count():
+    with torch.device("meta"):  # shapes only: no memory, no init
+        model = common.build_model("qwen2-0.5b")
+    assert common.count_parameters(model) == 402_970_496
+    config = model.config
+    assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (896, 4864, 24)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.vocab_size) == (14, 2, 50_304)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_activation_checkpointing_is_on_for_every_decoder_layer():
+    for preset in common.MODEL_PRESETS:
+        with torch.device("meta"):
+            model = common.build_model(preset)
+        assert all(layer.gradient_checkpointing for layer in model.model.layers), preset
+
+
+def test_checkpointing_recomputes_in_backward_and_gives_the_same_gradients():
+    torch.manual_seed(0)
+    model = common.build_model("tiny")
+    input_ids = torch.randint(0, 50_257, (2, 16))
+    model.train()
+    model(input_ids=input_ids).logits.square().mean().backward()
+    with_checkpointing = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    for layer in model.model.layers:
+        layer.gradient_checkpointing = False
+    model(input_ids=input_ids).logits.square().mean().backward()
+    for a, b in zip(with_checkpointing, [p.grad for p in model.parameters()]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_initial_loss_is_uniform_over_the_vocabulary():
+    torch.manual_seed(0)
+    model = common.build_model("small")
+    input_ids = torch.randint(0, 50_257, (4, 64))
+    with torch.no_grad():
+        logits = model(input_ids=input_ids).logits
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), input_ids[:, 1:].flatten())
+    assert abs(loss.item() - math.log(common.VOCAB_SIZE)) < 0.5
+
+
+def test_flops_per_token_formula():
+    with torch.device("meta"):
+        model = common.build_model("qwen2-0.5b")
+    n = common.count_parameters(model)
+    # 6N + 12 * layers * heads * head_dim * seq_len, at seq_len 2048
+    assert common.flops_per_token(n, model.config, 2048) == 6 * 402_970_496 + 12 * 24 * 14 * 64 * 2048

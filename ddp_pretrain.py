@@ -1,15 +1,7 @@
-"""Pretrain a Qwen2-architecture language model with DistributedDataParallel (DDP).
-
-DDP keeps a whole copy of the model, its gradients and the optimizer state on every rank. Each rank
-runs forward and backward on its own micro-batch; during backward DDP all-reduces the gradients in
-buckets, so every rank ends the step with the same averaged gradient and takes the same optimizer
-step. Simple and fast while the model, gradients and AdamW state (16 bytes per parameter) fit on one
-device. `diff ddp_pretrain.py fsdp1_pretrain.py` shows what sharding changes.
+"""Pretrain a Qwen2-architecture LM with DistributedDataParallel: a full replica per rank, gradients all-reduced.
 
     torchrun --standalone --nproc_per_node=2 ddp_pretrain.py                  # default: small model, builtin data
-    torchrun --standalone --nproc_per_node=8 ddp_pretrain.py --model qwen2-0.5b \\
-        --data HuggingFaceFW/fineweb-edu --data-config sample-10BT            # the recipe, on GPUs
-    python ddp_pretrain.py --model tiny                                       # one process, e.g. under a debugger
+    torchrun --standalone --nproc_per_node=8 ddp_pretrain.py --model qwen2-0.5b --data HuggingFaceFW/fineweb-edu --data-config sample-10BT
 """
 import functools
 import json
@@ -28,16 +20,16 @@ from tqdm import tqdm
 
 import common
 
-STRATEGY = "ddp"
+SCRIPT = Path(__file__).stem  # names the run folder and is recorded in every checkpoint
 
 # ---------------------------------------------------------------------------------------------- setup
-args = common.finalize_args(common.get_parser(__doc__, "runs/ddp_pretrain").parse_args())
+args = common.finalize_args(common.get_parser(__doc__, f"runs/{SCRIPT}").parse_args())
 rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 local_rank = int(os.environ.get("LOCAL_RANK", 0))
 device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
 dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
 checkpoint_root = Path(args.out_dir) / "checkpoints"
-resume_dir = common.find_resume_checkpoint(args, checkpoint_root, STRATEGY)
+resume_dir = common.find_resume_checkpoint(args, checkpoint_root, SCRIPT)
 
 # ---------------------------------------------------------------------------------------------- data
 tokenizer = common.get_tokenizer()
@@ -53,20 +45,20 @@ if device.type == "cuda":
     torch.cuda.set_device(device)
 
 # ---------------------------------------------------------------------------------------------- model
-torch.manual_seed(args.seed)  # the same init on every rank (DDP also broadcasts rank 0's weights)
+torch.manual_seed(args.seed)  # the same init on every rank, and in every script
 model = common.build_model(args.model).to(device)
-n_params = common.count_parameters(model)
+n_params, model_config = common.count_parameters(model), model.config
 if args.compile:
     model.compile()  # compiles forward in place: one graph per bucket length, the state_dict keys unchanged
 
 # ---------------------------------------------------------------------------------------------- wrap
 model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-# bf16 autocast: weights, gradients and optimizer state stay fp32, matmuls run in bf16.
-autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+model.forward = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)(model.forward)  # bf16 matmuls, fp32 weights
 
 # ---------------------------------------------------------------------------------------------- optimizer
-decay = [p for p in model.parameters() if p.dim() >= 2]  # matrices decay; biases and norm gains do not
-no_decay = [p for p in model.parameters() if p.dim() < 2]
+# Matrices decay; biases and norm gains do not. Decided by name: under FSDP1 every parameter is a flat 1-D shard.
+decay = [p for name, p in model.named_parameters() if not (name.endswith("bias") or "norm" in name)]
+no_decay = [p for name, p in model.named_parameters() if name.endswith("bias") or "norm" in name]
 optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
                               lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
@@ -75,24 +67,18 @@ scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
 
 # ---------------------------------------------------------------------------------------------- checkpoint
 def save_checkpoint(step, data_position):
-    """Rank 0 writes one file with everything; the folder appears under its final name only when complete."""
-    final_dir = checkpoint_root / f"step_{step}"
+    """Rank 0 writes one file with everything, into a partial folder that is renamed once complete."""
     partial_dir = checkpoint_root / f".partial_step_{step}"
     if rank == 0:
         shutil.rmtree(partial_dir, ignore_errors=True)
         partial_dir.mkdir(parents=True)
-        torch.save({
-            "model": model.module.state_dict(),  # .module: the bare model, without DDP's wrapper
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "step": step,
-            "data_position": data_position,
-            "rng": torch.get_rng_state(),  # rank 0's: every rank seeds alike and the model has no dropout
-        }, partial_dir / "checkpoint.pt")
-        common.write_checkpoint_meta(partial_dir, args, STRATEGY, step, world_size)
-        os.replace(partial_dir, final_dir)  # the commit: a rename is atomic, a crash before it leaves no step_N
-        common.remove_old_checkpoints(checkpoint_root, args.keep_last)
-    dist.barrier()  # nobody runs ahead (or exits) while rank 0 is still writing
+        torch.save({"model": model.module.state_dict(),  # .module: the bare model, without DDP's wrapper
+                    "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "step": step, "data_position": data_position,
+                    "rng": torch.get_rng_state()},  # rank 0's: every rank seeds alike and the model has no dropout
+                   partial_dir / "checkpoint.pt")
+        common.commit_checkpoint(partial_dir, args, SCRIPT, step, world_size)
+    dist.barrier()  # nobody runs ahead (or exits) before the checkpoint is committed
 
 
 def load_checkpoint(checkpoint_dir):
@@ -130,8 +116,7 @@ def evaluate():
     for bucket_len, rows in val_schedule:
         batch_size = common.bucket_batch_size(args.tokens_per_batch, bucket_len)
         input_ids, targets = common.collate([val_samples[i] for i in rows[rank][0]], bucket_len, batch_size)
-        with autocast:
-            logits = model(input_ids=input_ids.to(device)).logits
+        logits = model(input_ids=input_ids.to(device)).logits
         loss_sum += F.cross_entropy(logits.float().flatten(0, 1), targets.to(device).flatten(), reduction="sum")
     dist.all_reduce(loss_sum)
     model.train()
@@ -143,7 +128,7 @@ Path(args.out_dir).mkdir(parents=True, exist_ok=True)
 if rank == 0:
     metrics_file = open(Path(args.out_dir) / "metrics.jsonl", "a" if resume_dir else "w")
     writer = SummaryWriter(Path(args.out_dir) / "tensorboard")
-    progress = tqdm(total=args.max_steps, initial=step, desc=STRATEGY, dynamic_ncols=True)
+    progress = tqdm(total=args.max_steps, initial=step, desc=SCRIPT, dynamic_ncols=True)
 
 
 def log(row):
@@ -179,17 +164,18 @@ while step < args.max_steps:
     loss_sum = torch.zeros((), device=device)
     for micro, sample_ids in enumerate(rows[rank]):
         input_ids, targets = common.collate([train_samples[i] for i in sample_ids], bucket_len, batch_size)
-        # Only the last micro-batch all-reduces gradients; the others just accumulate them locally.
-        with model.no_sync() if micro < args.grad_accum - 1 else nullcontext():
-            with autocast:
-                logits = model(input_ids=input_ids.to(device)).logits
-                micro_loss_sum = F.cross_entropy(logits.float().flatten(0, 1), targets.to(device).flatten(), reduction="sum")
-            # Divide by the target tokens of the WHOLE step (all ranks, all micro-batches), not by this batch's:
-            # a long sample then weighs as much as it would in one big batch. DDP averages gradients over
-            # ranks, so we multiply by world_size to turn that average back into the sum.
+        # Divide by the target tokens of the WHOLE step (all ranks, all micro-batches), not by this batch's:
+        # a long sample then weighs as much as it would in one big batch. The gradient sync averages over
+        # ranks, so we multiply by world_size to turn that average back into the sum.
+        with model.no_sync() if micro < args.grad_accum - 1 else nullcontext():  # sync only after the last micro-batch
+            logits = model(input_ids=input_ids.to(device)).logits
+            micro_loss_sum = F.cross_entropy(logits.float().flatten(0, 1), targets.to(device).flatten(), reduction="sum")
             (micro_loss_sum * world_size / target_tokens).backward()
         loss_sum += micro_loss_sum.detach()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
+    # The norm by hand, then the library clips with it: on CPU, torch's fp32 vector_norm (inside clip_grad_norm_)
+    # drifts by ~1e-4 on large tensors (pytorch#169237), while a sum of squares is exact to ~1e-7.
+    grad_norm = torch.stack([p.grad.square().sum() for p in model.parameters()]).sum().sqrt()
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.grad_clip or float("inf"), grad_norm)
     lr = scheduler.get_last_lr()[0]
     optimizer.step()
     scheduler.step()
@@ -202,7 +188,7 @@ while step < args.max_steps:
     padded_tokens = world_size * args.grad_accum * batch_size * bucket_len
     total_tokens, total_padded = total_tokens + tokens, total_padded + padded_tokens
     if step % args.log_every == 0 or step == args.max_steps:
-        flops = common.flops_per_token(n_params, model.module.config, bucket_len) * tokens
+        flops = common.flops_per_token(n_params, model_config, bucket_len) * tokens
         log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(), "tokens": tokens,
              "padded_tokens": padded_tokens, "target_tokens": target_tokens, "bucket_len": bucket_len,
              "batch_size": batch_size, "tokens_per_s": tokens / step_time,
@@ -225,5 +211,7 @@ if rank == 0:
     elapsed = time.perf_counter() - start_time
     print(f"done: {step} steps, val loss {val_loss if val_loss is None else round(val_loss, 4)}, "
           f"non-padding share {total_tokens / max(1, total_padded):.1%}, {total_tokens / elapsed:,.0f} tokens/s, {elapsed:.0f}s")
+param_elements, optimizer_elements = common.local_state_sizes(model, optimizer)
+print(f"rank {rank} holds {param_elements:,} parameter and {optimizer_elements:,} optimizer-state elements ({n_params:,} parameters in the model)")
 dist.barrier()  # without it, a rank that exits first can abort the others' gloo teardown
 dist.destroy_process_group()

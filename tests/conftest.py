@@ -1,5 +1,24 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common.py
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # helpers.py
+
+from helpers import TINY_RUN, check, run_script  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """tiny_run(script): one 2-rank, 20-step run of SCRIPT that saves at steps 10 and 20, made once per session
+    and shared by the tests that read it (parity, resume, sharding). Returns (out_dir, CompletedProcess)."""
+    runs = {}
+
+    def get(script):
+        if script not in runs:
+            out = tmp_path_factory.mktemp(script.removesuffix(".py")) / "run"
+            runs[script] = (out, check(run_script(script, *TINY_RUN, "--out-dir", out, nproc=2)))
+        return runs[script]
+
+    return get

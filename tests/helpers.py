@@ -7,6 +7,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
+# The run most tests share: tiny model, built-in data, 20 steps, checkpoints at steps 10 and 20, fp32.
+TINY_RUN = ["--model", "tiny", "--max-steps", 20, "--save-every", 10, "--eval-every", 10, "--dtype", "fp32"]
 
 
 def run_script(script, *flags, nproc=1, torchrun=True, timeout=600, env=None):
@@ -28,3 +30,11 @@ def read_metrics(out_dir):
     train = {row["step"]: row for row in rows if "loss" in row}
     val = {row["step"]: row["val_loss"] for row in rows if "val_loss" in row}
     return train, val
+
+
+def copy_checkpoint(run_dir, step, new_run_dir):
+    """A new --out-dir holding only checkpoint step_<STEP> of RUN_DIR, to --resume from."""
+    import shutil
+
+    shutil.copytree(Path(run_dir) / "checkpoints" / f"step_{step}", Path(new_run_dir) / "checkpoints" / f"step_{step}")
+    return Path(new_run_dir)

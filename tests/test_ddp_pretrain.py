@@ -8,17 +8,12 @@ import shutil
 
 import pytest
 
-from helpers import check, read_metrics, run_script
-
-TINY_RUN = ["--model", "tiny", "--max-steps", 20, "--save-every", 10, "--eval-every", 10]
+from helpers import TINY_RUN, check, copy_checkpoint, read_metrics, run_script
 
 
 @pytest.fixture(scope="module")
-def twenty_steps(tmp_path_factory):
-    """One 2-rank run of 20 steps that saves at steps 10 and 20; several tests read it."""
-    out = tmp_path_factory.mktemp("ddp") / "run"
-    result = check(run_script("ddp_pretrain.py", *TINY_RUN, "--out-dir", out, nproc=2))
-    return out, result
+def twenty_steps(tiny_run):
+    return tiny_run("ddp_pretrain.py")
 
 
 def test_first_loss_is_log_vocab_size(twenty_steps):
@@ -50,7 +45,7 @@ def test_keep_last_leaves_the_newest_checkpoints(twenty_steps):
 
 def test_resume_from_step_10_reproduces_steps_11_to_20(twenty_steps, tmp_path):
     out, _ = twenty_steps
-    shutil.copytree(out / "checkpoints" / "step_10", tmp_path / "checkpoints" / "step_10")
+    copy_checkpoint(out, 10, tmp_path)
     check(run_script("ddp_pretrain.py", *TINY_RUN, "--out-dir", tmp_path, "--resume", nproc=2))
     original, _ = read_metrics(out)
     resumed, _ = read_metrics(tmp_path)

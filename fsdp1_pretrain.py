@@ -1,0 +1,244 @@
+"""Pretrain a Qwen2-architecture LM with FSDP1: flat per-layer shards, DCP checkpoints as ONE Stateful app state.
+
+    torchrun --standalone --nproc_per_node=2 fsdp1_pretrain.py                # default: small model, builtin data
+    torchrun --standalone --nproc_per_node=8 fsdp1_pretrain.py --model qwen2-0.5b --data HuggingFaceFW/fineweb-edu --data-config sample-10BT
+"""
+import functools
+import json
+import os
+import shutil
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision
+from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+from torch.utils.tensorboard import SummaryWriter
+from tqdm import tqdm
+from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+
+import common
+
+SCRIPT = Path(__file__).stem  # names the run folder and is recorded in every checkpoint
+
+# ---------------------------------------------------------------------------------------------- setup
+args = common.finalize_args(common.get_parser(__doc__, f"runs/{SCRIPT}").parse_args())
+rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+local_rank = int(os.environ.get("LOCAL_RANK", 0))
+device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+checkpoint_root = Path(args.out_dir) / "checkpoints"
+resume_dir = common.find_resume_checkpoint(args, checkpoint_root, SCRIPT)
+
+# ---------------------------------------------------------------------------------------------- data
+tokenizer = common.get_tokenizer()
+train_samples, val_samples = common.load_pretraining_data(args, tokenizer)
+train_lengths = [len(sample) for sample in train_samples]
+val_lengths = [len(sample) for sample in val_samples]
+common.check_enough_samples(train_lengths, val_lengths, world_size)
+
+# ---------------------------------------------------------------------------------------------- distributed
+# Every input check is behind us: from here on the ranks talk to each other.
+common.init_process_group(device)
+if device.type == "cuda":
+    torch.cuda.set_device(device)
+
+# ---------------------------------------------------------------------------------------------- model
+torch.manual_seed(args.seed)  # the same init on every rank, and in every script
+model = common.build_model(args.model)
+n_params, model_config = common.count_parameters(model), model.config
+if args.compile:
+    model.compile()  # compiles forward in place: one graph per bucket length, the state_dict keys unchanged
+
+# ---------------------------------------------------------------------------------------------- wrap
+model = FSDP(
+    model,
+    # One unit per decoder layer (only one layer is ever gathered); embedding, tied head and final norm in the root.
+    auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Qwen2DecoderLayer}),
+    # bf16: compute on bf16 copies of the gathered parameters; reduce gradients and keep the shards in fp32.
+    mixed_precision=MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 else None,
+    device_id=device,  # each unit moves to the device as it is sharded (torch.device("cpu") works too)
+    use_orig_params=True,  # parameters keep their names and shapes: per-parameter weight decay, compile
+)
+
+# ---------------------------------------------------------------------------------------------- optimizer
+# Matrices decay; biases and norm gains do not. Decided by name: under FSDP1 every parameter is a flat 1-D shard.
+decay = [p for name, p in model.named_parameters() if not (name.endswith("bias") or "norm" in name)]
+no_decay = [p for name, p in model.named_parameters() if name.endswith("bias") or "norm" in name]
+optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+                              lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
+    common.lr_lambda, warmup_steps=args.warmup_steps, max_steps=args.max_steps, min_lr_ratio=args.min_lr_ratio))
+
+
+# ---------------------------------------------------------------------------------------------- checkpoint
+class AppState(Stateful):
+    """Everything a resume needs, as ONE object: DCP calls state_dict() to save and load_state_dict() to load."""
+
+    def __init__(self, step=0, data_position=None):
+        self.step, self.data_position = step, data_position or {"epoch": 0, "index": 0}
+
+    def state_dict(self):
+        model_state, optimizer_state = get_state_dict(model, optimizer)  # sharded: each rank gives only its shards
+        return {"model": model_state, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
+                "step": self.step, "data_position": self.data_position, "rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state):
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"])  # one copy was saved: every rank seeds alike and there is no dropout
+        self.step, self.data_position = state["step"], state["data_position"]
+
+
+def save_checkpoint(step, data_position):
+    """Every rank writes its own shards with DCP into a partial folder that is renamed once complete."""
+    partial_dir = checkpoint_root / f".partial_step_{step}"
+    if rank == 0:
+        shutil.rmtree(partial_dir, ignore_errors=True)
+        partial_dir.mkdir(parents=True)
+    dist.barrier()  # the folder exists before anyone writes into it
+    dcp.save({"app": AppState(step, data_position)}, checkpoint_id=partial_dir)
+    if rank == 0:
+        common.commit_checkpoint(partial_dir, args, SCRIPT, step, world_size)
+    dist.barrier()  # nobody runs ahead (or exits) before the checkpoint is committed
+
+
+def load_checkpoint(checkpoint_dir):
+    """DCP reads into the state dict AppState hands it (shaped for THIS world size), then calls load_state_dict."""
+    app_state = AppState()
+    dcp.load({"app": app_state}, checkpoint_id=checkpoint_dir)
+    return app_state.step, app_state.data_position
+
+
+# ---------------------------------------------------------------------------------------------- resume
+step, data_position = 0, {"epoch": 0, "index": 0}
+if resume_dir is not None:
+    step, data_position = load_checkpoint(resume_dir)
+    if rank == 0:
+        print(f"resumed from {resume_dir} at step {step}")
+
+
+def make_schedule(lengths, epoch, grad_accum, order):
+    return common.epoch_schedule(lengths, args.buckets, args.tokens_per_batch, world_size, grad_accum, args.seed, epoch, order)
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+val_schedule = make_schedule(val_lengths, 0, 1, "ascending")
+val_target_tokens = sum(length - 1 for length in val_lengths)
+
+
+@torch.no_grad()
+def evaluate():
+    """Loss over the whole validation split: summed over all tokens of all ranks, then divided once."""
+    model.eval()
+    loss_sum = torch.zeros((), device=device)
+    for bucket_len, rows in val_schedule:
+        batch_size = common.bucket_batch_size(args.tokens_per_batch, bucket_len)
+        input_ids, targets = common.collate([val_samples[i] for i in rows[rank][0]], bucket_len, batch_size)
+        logits = model(input_ids=input_ids.to(device)).logits
+        loss_sum += F.cross_entropy(logits.float().flatten(0, 1), targets.to(device).flatten(), reduction="sum")
+    dist.all_reduce(loss_sum)
+    model.train()
+    return loss_sum.item() / val_target_tokens
+
+
+# ---------------------------------------------------------------------------------------------- training loop
+Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+if rank == 0:
+    metrics_file = open(Path(args.out_dir) / "metrics.jsonl", "a" if resume_dir else "w")
+    writer = SummaryWriter(Path(args.out_dir) / "tensorboard")
+    progress = tqdm(total=args.max_steps, initial=step, desc=SCRIPT, dynamic_ncols=True)
+
+
+def log(row):
+    if rank == 0:
+        metrics_file.write(json.dumps(row) + "\n")
+        metrics_file.flush()
+        for name, value in row.items():
+            if name != "step" and value is not None:
+                writer.add_scalar(name, value, row["step"])
+
+
+peak_flops = common.device_peak_flops(device)
+schedule = make_schedule(train_lengths, data_position["epoch"], args.grad_accum, args.bucket_order)
+start_time, total_tokens, total_padded = time.perf_counter(), 0, 0
+val_loss = evaluate() if step == 0 else None
+if step == 0:
+    log({"step": 0, "val_loss": val_loss})
+model.train()
+while step < args.max_steps:
+    if data_position["index"] >= len(schedule):  # epoch done: the next one reshuffles, as a function of (seed, epoch)
+        data_position = {"epoch": data_position["epoch"] + 1, "index": 0}
+        schedule = make_schedule(train_lengths, data_position["epoch"], args.grad_accum, args.bucket_order)
+    bucket_len, rows = schedule[data_position["index"]]
+    data_position = {**data_position, "index": data_position["index"] + 1}
+    batch_size = common.bucket_batch_size(args.tokens_per_batch, bucket_len)
+    step_samples = [i for rank_rows in rows for micro_rows in rank_rows for i in micro_rows]
+    tokens = sum(train_lengths[i] for i in step_samples)
+    target_tokens = tokens - len(step_samples)  # every sample predicts all its tokens but the first
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    step_start = time.perf_counter()
+
+    loss_sum = torch.zeros((), device=device)
+    for micro, sample_ids in enumerate(rows[rank]):
+        input_ids, targets = common.collate([train_samples[i] for i in sample_ids], bucket_len, batch_size)
+        # Divide by the target tokens of the WHOLE step (all ranks, all micro-batches), not by this batch's:
+        # a long sample then weighs as much as it would in one big batch. The gradient sync averages over
+        # ranks, so we multiply by world_size to turn that average back into the sum.
+        with model.no_sync() if micro < args.grad_accum - 1 else nullcontext():  # sync only after the last micro-batch
+            logits = model(input_ids=input_ids.to(device)).logits
+            micro_loss_sum = F.cross_entropy(logits.float().flatten(0, 1), targets.to(device).flatten(), reduction="sum")
+            (micro_loss_sum * world_size / target_tokens).backward()
+        loss_sum += micro_loss_sum.detach()
+    # The norm by hand, then the library clips with it: on CPU, torch's fp32 vector_norm (inside clip_grad_norm_)
+    # drifts by ~1e-4 on large tensors (pytorch#169237), while a sum of squares is exact to ~1e-7.
+    grad_norm = torch.stack([p.grad.square().sum() for p in model.parameters() if p.grad is not None]).sum()
+    dist.all_reduce(grad_norm)  # each rank summed the squares of its own shards only (FSDP1 has no DTensor)
+    grad_norm = grad_norm.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.grad_clip or float("inf"), grad_norm)
+    lr = scheduler.get_last_lr()[0]
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    step += 1
+
+    dist.all_reduce(loss_sum)  # for the log only: the gradients were already exact
+    loss = loss_sum.item() / target_tokens
+    step_time = time.perf_counter() - step_start
+    padded_tokens = world_size * args.grad_accum * batch_size * bucket_len
+    total_tokens, total_padded = total_tokens + tokens, total_padded + padded_tokens
+    if step % args.log_every == 0 or step == args.max_steps:
+        flops = common.flops_per_token(n_params, model_config, bucket_len) * tokens
+        log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(), "tokens": tokens,
+             "padded_tokens": padded_tokens, "target_tokens": target_tokens, "bucket_len": bucket_len,
+             "batch_size": batch_size, "tokens_per_s": tokens / step_time,
+             "mfu": flops / step_time / (peak_flops * world_size) if peak_flops else None,
+             "peak_mem_gb": common.peak_memory_gb(device), "elapsed_s": time.perf_counter() - start_time})
+    if step % args.eval_every == 0 or step == args.max_steps:
+        val_loss = evaluate()
+        log({"step": step, "val_loss": val_loss})
+    if step % args.save_every == 0 or step == args.max_steps:
+        save_checkpoint(step, data_position)
+    if rank == 0:
+        progress.update(1)
+        progress.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens / step_time:,.0f}", bucket=bucket_len)
+
+# ---------------------------------------------------------------------------------------------- end
+if rank == 0:
+    progress.close()
+    writer.close()
+    metrics_file.close()
+    elapsed = time.perf_counter() - start_time
+    print(f"done: {step} steps, val loss {val_loss if val_loss is None else round(val_loss, 4)}, "
+          f"non-padding share {total_tokens / max(1, total_padded):.1%}, {total_tokens / elapsed:,.0f} tokens/s, {elapsed:.0f}s")
+param_elements, optimizer_elements = common.local_state_sizes(model, optimizer)
+print(f"rank {rank} holds {param_elements:,} parameter and {optimizer_elements:,} optimizer-state elements ({n_params:,} parameters in the model)")
+dist.barrier()  # without it, a rank that exits first can abort the others' gloo teardown
+dist.destroy_process_group()

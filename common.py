@@ -13,6 +13,7 @@ import sys
 import sysconfig
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -255,41 +256,44 @@ def _source_identity(data):
     return data
 
 
-def cached_token_documents(args, tokenizer, to_documents, kind):
-    """Token ids of every document, tokenized once and then read from --cache-dir.
+def cached_arrays(args, kind, build):
+    """Per-sample integer arrays (token ids, labels) made once by `build()` and then read from --cache-dir.
 
-    `to_documents(records)` turns rows into what gets tokenized; `kind` names that transform in the key.
-    Returns a list of int32 arrays. Every rank runs this alike (no collective), so a rank never waits
+    `build()` returns {name: list of 1-D arrays}, the lists aligned; `kind` names what build does (and with
+    which tokenizer) in the cache key. Every rank runs this alike, with no collective: a rank never waits
     on another's tokenization, and bad input fails on every rank before training starts.
     """
-    key = _cache_key(kind, _source_identity(args.data), args.data_config, args.text_field, args.max_docs, tokenizer.name)
+    key = _cache_key(kind, _source_identity(args.data), args.data_config, args.text_field, args.max_docs)
     cache_file = Path(args.cache_dir) / f"{kind}-{key}.npz"
-    if cache_file.exists():
-        with np.load(cache_file) as cached:
-            return np.split(cached["tokens"].astype(np.int32), cached["offsets"][1:-1])
-    records = builtin_documents() if args.data == "builtin" else load_records(args.data, args.data_config, args.max_docs)
-    documents = to_documents(records)
-    if not documents:
-        raise UsageError(f"--data {args.data} holds no documents: check the path, --data-config and --text-field")
-    token_lists = tokenizer.encode_ordinary_batch(documents) if isinstance(documents[0], str) else documents
-    lengths = np.array([len(tokens) for tokens in token_lists], dtype=np.int64)
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-    tokens = np.fromiter((t for tokens in token_lists for t in tokens), dtype=np.uint16, count=int(offsets[-1]))
-    cache_file.parent.mkdir(parents=True, exist_ok=True)
-    partial = cache_file.with_name(f"{cache_file.stem}.{os.getpid()}.tmp.npz")
-    np.savez(partial, tokens=tokens, offsets=offsets)
-    os.replace(partial, cache_file)  # atomic: a reader never sees half a cache file
-    return np.split(tokens.astype(np.int32), offsets[1:-1])
+    if not cache_file.exists():
+        arrays = build()
+        offsets = np.cumsum([0] + [len(a) for a in next(iter(arrays.values()))])
+        packed = {name: np.concatenate(lists).astype(np.uint16 if name == "tokens" else np.int32)  # ids < 65,536
+                  for name, lists in arrays.items()}
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        partial = cache_file.with_name(f"{cache_file.stem}.{os.getpid()}.tmp.npz")
+        np.savez(partial, offsets=offsets, **packed)
+        os.replace(partial, cache_file)  # atomic: a reader never sees half a cache file
+    with np.load(cache_file) as cached:
+        return {name: np.split(cached[name].astype(np.int32), cached["offsets"][1:-1]) for name in cached.files if name != "offsets"}
 
 
-def pretraining_texts(args):
-    def to_documents(records):
-        if args.data == "builtin":
-            return [text for text in records if text.strip()]
+def read_records(args):
+    return builtin_documents() if args.data == "builtin" else load_records(args.data, args.data_config, args.max_docs)
+
+
+def pretraining_texts(args, records):
+    """The text of every document, checked: an empty result or a missing --text-field is a usage error."""
+    if args.data == "builtin":
+        texts = records
+    else:
         if records and args.text_field not in records[0]:
             raise UsageError(f"--data {args.data} has no column '{args.text_field}' (columns: {', '.join(records[0])}): set --text-field")
-        return [row[args.text_field] for row in records if isinstance(row[args.text_field], str) and row[args.text_field].strip()]
-    return to_documents
+        texts = [row[args.text_field] for row in records if isinstance(row[args.text_field], str)]
+    texts = [text for text in texts if text.strip()]
+    if not texts:
+        raise UsageError(f"--data {args.data} holds no documents: check the path, --data-config and --text-field")
+    return texts
 
 
 def chunk_document(tokens, max_len):
@@ -303,23 +307,37 @@ def chunk_document(tokens, max_len):
     return [tokens[start:start + max_len] for start in range(0, len(tokens) - 1, stride)]
 
 
+class Split(NamedTuple):
+    """The samples of one split. labels[i] is tokens[i] where that token is a target, IGNORE_INDEX where it
+    carries no loss (pretraining: every token is a target, so labels are the tokens themselves)."""
+    tokens: list
+    labels: list
+    lengths: list  # tokens per sample
+    target_counts: list  # positions with a loss per sample: a sample's first token is never predicted
+
+
+def make_split(tokens, labels):
+    return Split(tokens, labels, [len(t) for t in tokens], [int((l[1:] != IGNORE_INDEX).sum()) for l in labels])
+
+
 def split_train_val(samples, val_fraction, seed=0):
     """A fixed held-out set: the same samples whatever the training seed, at most 2,000 of them."""
+    if len(samples) < 2:
+        raise UsageError("the data holds fewer than 2 samples: one is needed for training and one for validation; use more --data")
     order = np.random.default_rng(seed).permutation(len(samples))
     n_val = min(max(1, round(len(samples) * val_fraction)), 2000)
-    if len(samples) < 2:
-        raise UsageError("the data holds fewer than 2 samples: one is needed for training and one for validation; use more data")
     val_ids = set(order[:n_val].tolist())
     return ([s for i, s in enumerate(samples) if i not in val_ids], [s for i, s in enumerate(samples) if i in val_ids])
 
 
 def load_pretraining_data(args, tokenizer):
-    """Train and validation samples (int32 token arrays), each at most the largest bucket long."""
-    documents = cached_token_documents(args, tokenizer, pretraining_texts(args), "pretrain")
+    """Train and validation Splits of token samples, each at most the largest bucket long."""
+    build = lambda: {"tokens": tokenizer.encode_ordinary_batch(pretraining_texts(args, read_records(args)))}
     samples = []
-    for tokens in documents:
+    for tokens in cached_arrays(args, f"pretrain-{tokenizer.name}", build)["tokens"]:
         samples.extend(chunk_document(np.append(tokens, EOT_ID), args.buckets[-1]))
-    return split_train_val([s for s in samples if len(s) >= 2], args.val_fraction)
+    train, val = split_train_val([s for s in samples if len(s) >= 2], args.val_fraction)
+    return make_split(train, train), make_split(val, val)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -361,19 +379,19 @@ def epoch_schedule(lengths, buckets, tokens_per_batch, world_size, grad_accum, s
     return steps  # "ascending": buckets from short to long, as built above
 
 
-def collate(samples, bucket_len, batch_size, pad_id=EOT_ID, labels=None):
-    """Right-pad samples to the bucket length. Targets are the next tokens; padding is never a target.
+def collate(split, sample_ids, bucket_len, batch_size, pad_id=EOT_ID):
+    """The samples of `split` at `sample_ids`, right-padded to the bucket length, and their targets.
 
-    `labels`, when given (SFT), are per-sample label arrays already aligned with the inputs' tokens.
-    Right padding under a causal mask never changes the real tokens' outputs, so no attention mask is needed.
+    The target at position t is label t+1 (the next token where it carries loss); padding is never a
+    target. Right padding under a causal mask never changes the real tokens' outputs, so no attention
+    mask is needed. Rows beyond the samples (a bucket's last, short step) are all padding.
     """
     input_ids = torch.full((batch_size, bucket_len), pad_id, dtype=torch.long)
     targets = torch.full((batch_size, bucket_len), IGNORE_INDEX, dtype=torch.long)
-    for row, tokens in enumerate(samples):
-        n = len(tokens)
-        input_ids[row, :n] = torch.as_tensor(tokens)
-        source = tokens if labels is None else labels[row]
-        targets[row, :n - 1] = torch.as_tensor(source[1:])
+    for row, i in enumerate(sample_ids):
+        n = split.lengths[i]
+        input_ids[row, :n] = torch.as_tensor(split.tokens[i])
+        targets[row, :n - 1] = torch.as_tensor(split.labels[i][1:])
     return input_ids, targets
 
 
@@ -426,7 +444,7 @@ def peak_memory_gb(device):
     """Peak memory since the last reset: CUDA allocator peak, or on CPU the process's peak RSS."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
 
 
 def complete_checkpoints(checkpoint_root):
@@ -482,10 +500,10 @@ def commit_checkpoint(partial_dir, args, script, step, world_size):
         shutil.rmtree(old)
 
 
-def check_enough_samples(train_lengths, val_lengths, world_size):
-    if len(train_lengths) < world_size:
-        raise UsageError(f"the data gives {len(train_lengths)} training samples, fewer than the {world_size} ranks: use more --data or fewer ranks")
-    if not val_lengths:
+def check_enough_samples(train, val, world_size):
+    if len(train.tokens) < world_size:
+        raise UsageError(f"the data gives {len(train.tokens)} training samples, fewer than the {world_size} ranks: use more --data or fewer ranks")
+    if not val.tokens:
         raise UsageError("the validation split is empty: use more --data or a larger --val-fraction")
 
 

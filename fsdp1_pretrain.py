@@ -38,10 +38,8 @@ resume_dir = common.find_resume_checkpoint(args, checkpoint_root, SCRIPT)
 
 # ---------------------------------------------------------------------------------------------- data
 tokenizer = common.get_tokenizer()
-train_samples, val_samples = common.load_pretraining_data(args, tokenizer)
-train_lengths = [len(sample) for sample in train_samples]
-val_lengths = [len(sample) for sample in val_samples]
-common.check_enough_samples(train_lengths, val_lengths, world_size)
+train, val = common.load_pretraining_data(args, tokenizer)  # Splits: tokens, labels, lengths, target counts
+common.check_enough_samples(train, val, world_size)
 
 # ---------------------------------------------------------------------------------------------- distributed
 # Every input check is behind us: from here on the ranks talk to each other.
@@ -62,7 +60,7 @@ model = FSDP(
     # One unit per decoder layer (only one layer is ever gathered); embedding, tied head and final norm in the root.
     auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Qwen2DecoderLayer}),
     # bf16: compute on bf16 copies of the gathered parameters; reduce gradients and keep the shards in fp32.
-    mixed_precision=MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 else None,
+    mixed_precision=MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32),
     device_id=device,  # each unit moves to the device as it is sharded (torch.device("cpu") works too)
     use_orig_params=True,  # parameters keep their names and shapes: per-parameter weight decay, compile
 )
@@ -129,8 +127,7 @@ def make_schedule(lengths, epoch, grad_accum, order):
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
-val_schedule = make_schedule(val_lengths, 0, 1, "ascending")
-val_target_tokens = sum(length - 1 for length in val_lengths)
+val_schedule = make_schedule(val.lengths, 0, 1, "ascending")
 
 
 @torch.no_grad()
@@ -140,12 +137,12 @@ def evaluate():
     loss_sum = torch.zeros((), device=device)
     for bucket_len, rows in val_schedule:
         batch_size = common.bucket_batch_size(args.tokens_per_batch, bucket_len)
-        input_ids, targets = common.collate([val_samples[i] for i in rows[rank][0]], bucket_len, batch_size)
+        input_ids, targets = common.collate(val, rows[rank][0], bucket_len, batch_size)
         logits = model(input_ids=input_ids.to(device)).logits
         loss_sum += F.cross_entropy(logits.float().flatten(0, 1), targets.to(device).flatten(), reduction="sum")
     dist.all_reduce(loss_sum)
     model.train()
-    return loss_sum.item() / val_target_tokens
+    return loss_sum.item() / sum(val.target_counts)
 
 
 # ---------------------------------------------------------------------------------------------- training loop
@@ -166,7 +163,7 @@ def log(row):
 
 
 peak_flops = common.device_peak_flops(device)
-schedule = make_schedule(train_lengths, data_position["epoch"], args.grad_accum, args.bucket_order)
+schedule = make_schedule(train.lengths, data_position["epoch"], args.grad_accum, args.bucket_order)
 start_time, total_tokens, total_padded = time.perf_counter(), 0, 0
 val_loss = evaluate() if step == 0 else None
 if step == 0:
@@ -175,20 +172,20 @@ model.train()
 while step < args.max_steps:
     if data_position["index"] >= len(schedule):  # epoch done: the next one reshuffles, as a function of (seed, epoch)
         data_position = {"epoch": data_position["epoch"] + 1, "index": 0}
-        schedule = make_schedule(train_lengths, data_position["epoch"], args.grad_accum, args.bucket_order)
+        schedule = make_schedule(train.lengths, data_position["epoch"], args.grad_accum, args.bucket_order)
     bucket_len, rows = schedule[data_position["index"]]
     data_position = {**data_position, "index": data_position["index"] + 1}
     batch_size = common.bucket_batch_size(args.tokens_per_batch, bucket_len)
     step_samples = [i for rank_rows in rows for micro_rows in rank_rows for i in micro_rows]
-    tokens = sum(train_lengths[i] for i in step_samples)
-    target_tokens = tokens - len(step_samples)  # every sample predicts all its tokens but the first
+    tokens = sum(train.lengths[i] for i in step_samples)
+    target_tokens = sum(train.target_counts[i] for i in step_samples)  # positions with a loss, all ranks
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     step_start = time.perf_counter()
 
     loss_sum = torch.zeros((), device=device)
     for micro, sample_ids in enumerate(rows[rank]):
-        input_ids, targets = common.collate([train_samples[i] for i in sample_ids], bucket_len, batch_size)
+        input_ids, targets = common.collate(train, sample_ids, bucket_len, batch_size)
         # Divide by the target tokens of the WHOLE step (all ranks, all micro-batches), not by this batch's:
         # a long sample then weighs as much as it would in one big batch. The gradient sync averages over
         # ranks, so we multiply by world_size to turn that average back into the sum.

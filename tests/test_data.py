@@ -73,16 +73,27 @@ def test_chunking_makes_every_token_but_the_first_a_target_exactly_once():
 
 
 def test_collate_pads_right_and_never_targets_padding():
-    input_ids, targets = common.collate([np.array([5, 6, 7]), np.array([8, 9])], bucket_len=4, batch_size=3)
+    samples = [np.array([5, 6, 7]), np.array([8, 9])]
+    split = common.make_split(samples, samples)  # pretraining: every next token is a target
+    assert split.target_counts == [2, 1]
+    input_ids, targets = common.collate(split, [0, 1], bucket_len=4, batch_size=3)
     assert input_ids.tolist() == [[5, 6, 7, common.EOT_ID], [8, 9, common.EOT_ID, common.EOT_ID], [common.EOT_ID] * 4]
     assert targets.tolist() == [[6, 7, -100, -100], [9, -100, -100, -100], [-100] * 4]
+
+
+def test_collate_targets_only_labelled_tokens():
+    tokens, labels = np.array([1, 2, 3, 4, 5]), np.array([-100, -100, 3, 4, -100])
+    split = common.make_split([tokens], [labels])
+    assert split.target_counts == [2]
+    _, targets = common.collate(split, [0], bucket_len=6, batch_size=1)
+    assert targets.tolist() == [[-100, 3, 4, -100, -100, -100]]
 
 
 def test_builtin_corpus_is_bucketed_with_at_least_90_percent_real_tokens():
     args = common.finalize_args(common.get_parser("", "runs/x").parse_args([]))  # the default job's settings
     train, val = common.load_pretraining_data(args, common.get_tokenizer())
-    assert len(train) > 1000 and len(val) > 50
-    lengths = [len(s) for s in train]
+    assert len(train.tokens) > 1000 and len(val.tokens) > 50
+    lengths = train.lengths
     steps = common.epoch_schedule(lengths, args.buckets, args.tokens_per_batch, 2, 1, seed=args.seed, epoch=0)
     computed = sum(2 * common.bucket_batch_size(args.tokens_per_batch, bucket_len) * bucket_len for bucket_len, _ in steps)
     share = sum(lengths) / computed

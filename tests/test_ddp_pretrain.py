@@ -89,7 +89,7 @@ def test_gradients_do_not_depend_on_how_the_global_batch_is_split(tmp_path):
 
 
 def test_plain_python_runs_as_a_single_process(tmp_path):
-    check(run_script("ddp_pretrain.py", "--model", "tiny", "--max-steps", 2, "--out-dir", tmp_path, torchrun=False))
+    check(run_script("ddp_pretrain.py", "--model", "tiny", "--max-steps", 2, "--val-fraction", 0.01, "--out-dir", tmp_path, torchrun=False))
     train, _ = read_metrics(tmp_path)
     assert sorted(train) == [1, 2] and train[1]["padded_tokens"] == train[1]["batch_size"] * train[1]["bucket_len"]
 

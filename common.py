@@ -40,7 +40,7 @@ def _report_usage_error(exc_type, exc, tb, _default_hook=sys.excepthook):
 
 sys.excepthook = _report_usage_error
 # FSDP1's DCP path calls a c10d helper that torch itself deprecated; the warning is torch's, not ours to act on.
-warnings.filterwarnings("ignore", message=".*_get_pg_default_device.*|Multiple backends are registered.*")
+warnings.filterwarnings("ignore", message=".*_get_pg_default_device.*|Multiple backends are registered.*|torch.distributed is disabled.*")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -51,30 +51,34 @@ MODEL_PRESETS = {
     "tiny": dict(
         model=dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
         train=dict(buckets="32,48,64,96,128", tokens_per_batch=512, lr=3e-3, warmup_steps=5, max_steps=20, eval_every=10, save_every=10),
+        sft=dict(buckets="64,96,128", tokens_per_batch=512, lr=1e-3, warmup_steps=5, max_steps=20, eval_every=10, save_every=10),
     ),
     # The default: learns visibly in a few minutes on a 2-core laptop CPU.
     "small": dict(
         model=dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2),
         train=dict(buckets="32,48,64,96,128,192,256", tokens_per_batch=1024, lr=3e-3, warmup_steps=10, max_steps=120, eval_every=40, save_every=40),
+        sft=dict(buckets="44,52,64,96", tokens_per_batch=512, lr=3e-3, warmup_steps=30, max_steps=600, eval_every=200, save_every=200),
     ),
     # The recipe: Qwen2-0.5B shapes with the GPT-2 vocabulary (402,970,496 parameters, tied embeddings).
     "qwen2-0.5b": dict(
         model=dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2),
         train=dict(buckets="256,512,1024,1536,2048", tokens_per_batch=16384, lr=3e-4, warmup_steps=200, max_steps=5000, eval_every=250, save_every=500),
+        sft=dict(buckets="512,1024,2048,4096,8192", tokens_per_batch=16384, lr=5e-5, warmup_steps=50, max_steps=2000, eval_every=250, save_every=500),
     ),
 }
 
 
-def get_parser(description, default_out_dir):
-    """One parser for every script, so a flag means the same thing everywhere."""
+def get_parser(description, default_out_dir, stage="train"):
+    """One parser for every script, so a flag means the same thing everywhere. stage: "train" or "sft"."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.set_defaults(stage=stage)  # picks the preset's pretraining or SFT defaults
     add = parser.add_argument
     add("--model", default="small", help=f"model preset, one of: {', '.join(MODEL_PRESETS)}")
     add("--data", default="builtin", help="'builtin' (CPython's own documentation, no network), a Hugging Face hub dataset name, or a local .txt/.jsonl/.json/.parquet file or folder")
     add("--data-config", default=None, help="hub dataset configuration, e.g. sample-10BT for HuggingFaceFW/fineweb-edu")
     add("--text-field", default="text", help="column that holds the text in .jsonl/.json/.parquet/hub data")
     add("--max-docs", type=int, default=100_000, help="documents taken from a hub dataset (streamed); local files and builtin are read whole")
-    add("--val-fraction", type=float, default=0.05, help="share of the samples held out for validation (at most 2,000 samples)")
+    add("--val-fraction", type=float, default=0.05, help="share of the samples held out for validation (at most 500 samples)")
     add("--cache-dir", default=os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "llm-reference"), help="where tokenized data is cached")
     add("--buckets", default=None, help="comma-separated bucket max lengths in tokens (preset default)")
     add("--tokens-per-batch", type=int, default=None, help="tokens per micro-batch per rank; a bucket's batch size is this // its length (preset default)")
@@ -95,6 +99,9 @@ def get_parser(description, default_out_dir):
     add("--dtype", choices=["bf16", "fp32"], default=None, help="compute dtype (default: bf16 on CUDA, fp32 on CPU)")
     add("--compile", action="store_true", help="torch.compile the model (one graph per bucket length)")
     add("--bucket-order", choices=["shuffled", "ascending"], default="shuffled", help="order of the batches in an epoch: shuffled, or short buckets first (the original recipe)")
+    if stage == "sft":
+        add("--init-from", default=None, help="checkpoint of fsdp2_pretrain.py to start from (default: the newest under runs/fsdp2_pretrain)")
+        add("--eval-generate", type=int, default=200, help="held-out problems answered by greedy generation at each evaluation (answer accuracy)")
 
     def error(message):  # argparse prints usage plus a line; we keep to one line, from rank 0 only
         if int(os.environ.get("RANK", 0)) == 0:
@@ -109,7 +116,7 @@ def finalize_args(args):
     """Fill preset defaults and check the batch math before anything heavy (or collective) happens."""
     if args.model not in MODEL_PRESETS:
         raise UsageError(f"unknown model preset '{args.model}': choose --model from {', '.join(MODEL_PRESETS)}")
-    for name, value in MODEL_PRESETS[args.model]["train"].items():
+    for name, value in MODEL_PRESETS[args.model][args.stage].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     try:
@@ -321,11 +328,11 @@ def make_split(tokens, labels):
 
 
 def split_train_val(samples, val_fraction, seed=0):
-    """A fixed held-out set: the same samples whatever the training seed, at most 2,000 of them."""
+    """A fixed held-out set: the same samples whatever the training seed, at most 500 of them."""
     if len(samples) < 2:
         raise UsageError("the data holds fewer than 2 samples: one is needed for training and one for validation; use more --data")
     order = np.random.default_rng(seed).permutation(len(samples))
-    n_val = min(max(1, round(len(samples) * val_fraction)), 2000)
+    n_val = min(max(1, round(len(samples) * val_fraction)), 500)
     val_ids = set(order[:n_val].tolist())
     return ([s for i, s in enumerate(samples) if i not in val_ids], [s for i, s in enumerate(samples) if i in val_ids])
 
@@ -457,6 +464,17 @@ def complete_checkpoints(checkpoint_root):
     return sorted(found, key=lambda p: int(p.name[5:]))
 
 
+def read_meta(checkpoint_dir, flag):
+    """The meta.json of a complete checkpoint folder, or a usage error naming `flag`."""
+    try:
+        meta = json.loads((Path(checkpoint_dir) / "meta.json").read_text())
+        if all(key in meta for key in ("script", "model", "step")):
+            return meta
+    except (OSError, ValueError):
+        pass
+    raise UsageError(f"{flag} {checkpoint_dir} is not a complete checkpoint of these scripts (no readable meta.json)")
+
+
 def find_resume_checkpoint(args, checkpoint_root, script):
     """The checkpoint folder --resume asks for (None for a fresh run), checked before any rank talks."""
     existing = complete_checkpoints(checkpoint_root)
@@ -470,10 +488,7 @@ def find_resume_checkpoint(args, checkpoint_root, script):
         checkpoint_dir = existing[-1]
     else:
         checkpoint_dir = Path(args.resume)
-    meta_file = checkpoint_dir / "meta.json"
-    if not meta_file.is_file():
-        raise UsageError(f"--resume {checkpoint_dir} is not a complete checkpoint folder (no meta.json)")
-    meta = json.loads(meta_file.read_text())
+    meta = read_meta(checkpoint_dir, "--resume")
     if meta["script"] != script:
         raise UsageError(f"--resume {checkpoint_dir} was written by {meta['script']}.py, not {script}.py: resume it with {meta['script']}.py")
     if meta["model"] != args.model:
@@ -493,7 +508,7 @@ def commit_checkpoint(partial_dir, args, script, step, world_size):
     import shutil
 
     meta = {"script": script, "model": args.model, "model_config": MODEL_PRESETS[args.model]["model"],
-            "vocab_size": VOCAB_SIZE, "step": step, "world_size": world_size}
+            "vocab_size": VOCAB_SIZE, "step": step, "world_size": world_size, "data": args.data}
     (partial_dir / "meta.json").write_text(json.dumps(meta, indent=2))
     os.replace(partial_dir, partial_dir.parent / f"step_{step}")
     for old in complete_checkpoints(partial_dir.parent)[:-args.keep_last]:
@@ -532,3 +547,206 @@ def local_state_sizes(model, optimizer):
     optimizer_elements = sum(local(v).numel() for state in optimizer.state.values() for v in state.values()
                              if torch.is_tensor(v) and v.dim() > 0)  # AdamW's moments, not its step counters
     return param_elements, optimizer_elements
+
+
+# ----------------------------------------------------------------------------------------------
+# SFT: a chat format whose markers are single tokens taken from the vocabulary's padding rows
+# (50,257 and up), so the pretrained embedding matrix is reused as is, no resize.
+
+ROLE_MARKERS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
+END_OF_TURN = "<|end_of_turn|>"
+REASONING_MARKERS = ["<|begin_of_thought|>", "<|end_of_thought|>", "<|begin_of_solution|>", "<|end_of_solution|>"]
+SPECIAL_TOKENS = {marker: EOT_ID + 1 + i for i, marker in enumerate([*ROLE_MARKERS.values(), END_OF_TURN, *REASONING_MARKERS])}
+BUILTIN_SYSTEM_PROMPT = "Reason step by step."
+
+
+def get_chat_tokenizer():
+    """GPT-2 BPE plus the SFT markers as special tokens (tiktoken's documented way to extend an encoding)."""
+    import tiktoken
+
+    gpt2 = get_tokenizer()
+    return tiktoken.Encoding("gpt2-chat", pat_str=gpt2._pat_str, mergeable_ranks=gpt2._mergeable_ranks,
+                             special_tokens={**gpt2._special_tokens, **SPECIAL_TOKENS})
+
+
+def encode_conversation(tokenizer, messages):
+    """Token ids and labels of a conversation [(role, text), ...]: <|role|> text <|end_of_turn|> per turn.
+
+    Role markers come only from here. Inside assistant text the literal reasoning markers become their
+    special tokens; every other marker string, and any marker inside system or user text, stays plain
+    text, so no message can forge a turn. Labels: assistant text and its end marker; nothing else.
+    """
+    tokens, labels = [], []
+    for role, text in messages:
+        if role == "assistant":
+            body = tokenizer.encode(text, allowed_special=set(REASONING_MARKERS), disallowed_special=())
+        else:
+            body = tokenizer.encode_ordinary(text)
+        body.append(SPECIAL_TOKENS[END_OF_TURN])
+        tokens += [SPECIAL_TOKENS[ROLE_MARKERS[role]], *body]
+        labels += [IGNORE_INDEX, *(body if role == "assistant" else [IGNORE_INDEX] * len(body))]
+    return tokens, labels
+
+
+def conversation_messages(row, data):
+    """[(role, text), ...] from a row in the OpenThoughts schema (system + conversations of {from, value})
+    or the messages schema ({role, content})."""
+    if isinstance(row.get("conversations"), list):
+        messages = [("system", row["system"])] if row.get("system") else []
+        turns = [(turn.get("from"), turn.get("value")) for turn in row["conversations"]]
+        messages += [({"human": "user", "gpt": "assistant"}.get(role, role), text) for role, text in turns]
+    elif isinstance(row.get("messages"), list):
+        messages = [(turn.get("role"), turn.get("content")) for turn in row["messages"]]
+    else:
+        raise UsageError(f"--data {data}: a row has neither 'conversations' (OpenThoughts) nor 'messages' (columns: {', '.join(row)})")
+    for role, text in messages:
+        if role not in ROLE_MARKERS or not isinstance(text, str):
+            raise UsageError(f"--data {data}: a turn has role {role!r} (expected system, user or assistant) or no text")
+    if not any(role == "assistant" for role, _ in messages):
+        raise UsageError(f"--data {data}: a conversation has no assistant turn, so nothing to learn from")
+    return messages
+
+
+def builtin_reasoning_records(n=10_000, seed=0):
+    """A generated reasoning set in the OpenThoughts format, deterministic by seed: chains of 2 or 3
+    single-digit additions and subtractions, no problem twice. The thoughts rewrite the expression one
+    operation at a time (6 + 2 - 5 = 8 - 5 = 3), a chain of local steps a small model can learn; the
+    solution is the number."""
+    import random
+
+    assert n <= 12_000, "there are 14,520 distinct problems; ask for fewer"  # 10 * 11**2 + 10 * 11**3
+    rng, records, seen = random.Random(seed), [], set()
+    while len(records) < n:
+        value = rng.randint(0, 9)
+        terms = [str(value)]
+        for _ in range(rng.randint(2, 3)):
+            op = rng.choice("+-")
+            operand = rng.randint(0, 9 - value) if op == "+" else rng.randint(0, value)  # results stay within 0..9
+            value = value + operand if op == "+" else value - operand
+            terms += [op, str(operand)]
+        question = f"Compute {' '.join(terms)}."
+        if question in seen:
+            continue
+        seen.add(question)
+        rewrites = [" ".join(terms)]
+        while len(terms) > 1:
+            first, op, operand = int(terms[0]), terms[1], int(terms[2])
+            terms = [str(first + operand if op == "+" else first - operand), *terms[3:]]
+            rewrites.append(" ".join(terms))
+        answer = (f"<|begin_of_thought|>\n\n{' = '.join(rewrites)}\n\n<|end_of_thought|>\n\n"
+                  f"<|begin_of_solution|>\n\n{value}\n\n<|end_of_solution|>")
+        records.append({"system": BUILTIN_SYSTEM_PROMPT, "conversations": [
+            {"from": "user", "value": question}, {"from": "assistant", "value": answer}]})
+    return records
+
+
+def load_sft_data(args, tokenizer):
+    """Train and validation Splits of encoded conversations, cut to the largest bucket."""
+    builtin = builtin_reasoning_records() if args.data == "builtin" else None  # generated in well under a second
+
+    def build():
+        records = builtin if builtin is not None else load_records(args.data, args.data_config, args.max_docs)
+        if not records:
+            raise UsageError(f"--data {args.data} holds no conversations: check the path and --data-config")
+        encoded = [encode_conversation(tokenizer, conversation_messages(row, args.data)) for row in records]
+        return {"tokens": [tokens for tokens, _ in encoded], "labels": [labels for _, labels in encoded]}
+
+    version = _cache_key(builtin) if builtin is not None else ""  # the generated set's own content names its cache
+    arrays = cached_arrays(args, f"sft-{tokenizer.name}{version}", build)
+    max_len = args.buckets[-1]  # longer conversations are cut: their first max_len tokens still teach
+    kept = [i for i, labels in enumerate(arrays["labels"]) if (labels[1:max_len] != IGNORE_INDEX).any()]
+    train_ids, val_ids = split_train_val(kept, args.val_fraction)
+    split = lambda ids: make_split([arrays["tokens"][i][:max_len] for i in ids], [arrays["labels"][i][:max_len] for i in ids])
+    return split(train_ids), split(val_ids)
+
+
+def solution_text(tokenizer, token_ids):
+    """The text between the solution markers of a reply, or None: what the built-in set's accuracy compares."""
+    token_ids = list(token_ids)
+    begin, end = SPECIAL_TOKENS["<|begin_of_solution|>"], SPECIAL_TOKENS["<|end_of_solution|>"]
+    if begin not in token_ids or end not in token_ids[token_ids.index(begin):]:
+        return None
+    start = token_ids.index(begin) + 1
+    return tokenizer.decode(token_ids[start:token_ids.index(end, start)]).strip()
+
+
+def answer_prompts(tokenizer, split, limit):
+    """Up to `limit` held-out (prompt, reference answer) pairs: the prompt is a conversation up to and with
+    its last <|assistant|> marker; the answer is the reference reply's text between the solution markers.
+    Conversations whose reply has no solution markers are left out. Also returns a reply-length bound."""
+    prompts, answers, longest = [], [], 0
+    for tokens in split.tokens[:limit]:
+        start = len(tokens) - list(tokens[::-1]).index(SPECIAL_TOKENS[ROLE_MARKERS["assistant"]])
+        answer = solution_text(tokenizer, tokens[start:])
+        if answer is not None:
+            prompts.append(tokens[:start].tolist())
+            answers.append(answer)
+            longest = max(longest, len(tokens) - start)
+    return prompts, answers, longest + 16
+
+
+def generate_replies(model, prompts, max_new_tokens, temperature=0.0, top_k=None, synced=False):
+    """Continue every prompt (a list of token lists) with transformers' own generate, batched with left
+    padding; stops at <|end_of_turn|>. synced=True keeps every rank stepping until all are done, as sharded
+    models need (each forward is collective). Returns the new tokens of each prompt."""
+    if not prompts:
+        prompts, drop = [[EOT_ID]], True  # a rank with no prompt still has to join the collective forwards
+    else:
+        drop = False
+    width = max(len(p) for p in prompts)
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([[EOT_ID] * (width - len(p)) + list(p) for p in prompts], device=device)
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    sampling = dict(do_sample=True, temperature=temperature, top_k=top_k) if temperature > 0 else dict(do_sample=False)
+    output = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                            eos_token_id=[SPECIAL_TOKENS[END_OF_TURN], EOT_ID], pad_token_id=EOT_ID,
+                            use_cache=True, synced_gpus=synced, **sampling)
+    replies = [row[width:].tolist() for row in output]
+    return [] if drop else replies
+
+
+def find_init_checkpoint(args):
+    """--init-from for the SFT: a checkpoint folder of fsdp2_pretrain.py, or a run folder (its newest one)."""
+    path = Path(args.init_from or "runs/fsdp2_pretrain")
+    found = [path] if (path / "meta.json").is_file() else complete_checkpoints(path / "checkpoints")
+    if not found:
+        raise UsageError(f"no complete fsdp2_pretrain.py checkpoint at {path}: run `torchrun --standalone --nproc_per_node=2 "
+                         f"fsdp2_pretrain.py` first, or pass --init-from")
+    meta = read_meta(found[-1], "--init-from")
+    if meta["script"] != "fsdp2_pretrain":
+        raise UsageError(f"--init-from {found[-1]} was written by {meta['script']}.py: the SFT starts from an fsdp2_pretrain.py checkpoint")
+    if meta["model"] != args.model:
+        raise UsageError(f"--init-from {found[-1]} holds a '{meta['model']}' model: pass --model {meta['model']}")
+    return found[-1]
+
+
+def resolve_checkpoint(path):
+    """A checkpoint folder (step_<N>), or a run's --out-dir meaning its newest complete checkpoint."""
+    path = Path(path)
+    found = [path] if (path / "meta.json").is_file() else complete_checkpoints(path / "checkpoints")
+    if not found:
+        raise UsageError(f"{path} is neither a checkpoint folder (step_N with meta.json) nor a run folder holding one")
+    return found[-1]
+
+
+def load_checkpoint_model(checkpoint_dir, device="cpu"):
+    """A plain, unsharded model with the weights of a checkpoint of any of the four scripts, in one
+    process and with no process group: DCP reads sharded checkpoints into whole tensors by itself.
+
+        ddp_pretrain     checkpoint.pt["model"]            (torch.save by rank 0)
+        fsdp1_pretrain   the app state's "model" entry     (DCP, one Stateful app state)
+        fsdp2_*          model/                            (DCP, model saved apart from the optimizer)
+    """
+    import torch.distributed.checkpoint as dcp
+
+    meta = read_meta(checkpoint_dir, "checkpoint")
+    model = build_model(meta["model"]).eval()
+    state = model.state_dict()
+    if meta["script"] == "ddp_pretrain":
+        state = torch.load(Path(checkpoint_dir) / "checkpoint.pt", map_location="cpu", weights_only=True)["model"]
+    elif meta["script"] == "fsdp1_pretrain":
+        dcp.load({"app": {"model": state}}, checkpoint_id=checkpoint_dir)  # reads only the model's entries
+    else:
+        dcp.load(state, checkpoint_id=Path(checkpoint_dir) / "model")
+    model.load_state_dict(state)
+    return model.to(device), meta

@@ -18,7 +18,9 @@ def tiny_run(tmp_path_factory):
     def get(script):
         if script not in runs:
             out = tmp_path_factory.mktemp(script.removesuffix(".py")) / "run"
-            runs[script] = (out, check(run_script(script, *TINY_RUN, "--out-dir", out, nproc=2)))
+            # The SFT starts from the FSDP2 pretraining run's newest checkpoint.
+            init = ["--init-from", get("fsdp2_pretrain.py")[0], "--eval-generate", 8] if script == "fsdp2_sft.py" else []
+            runs[script] = (out, check(run_script(script, *TINY_RUN, *init, "--out-dir", out, nproc=2)))
         return runs[script]
 
     return get

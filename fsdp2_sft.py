@@ -1,0 +1,246 @@
+"""Finetune the pretrained model with FSDP2 on reasoning conversations: marker tokens, loss on assistant tokens only.
+
+    torchrun --standalone --nproc_per_node=2 fsdp2_sft.py                     # default: after fsdp2_pretrain.py, builtin set
+    torchrun --standalone --nproc_per_node=8 fsdp2_sft.py --model qwen2-0.5b --data open-thoughts/OpenThoughts-114k --init-from runs/fsdp2_pretrain
+"""
+import functools
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import distribute_tensor
+from torch.utils.tensorboard import SummaryWriter
+from tqdm import tqdm
+
+import common
+
+SCRIPT = Path(__file__).stem  # names the run folder and is recorded in every checkpoint
+
+# ---------------------------------------------------------------------------------------------- setup
+args = common.finalize_args(common.get_parser(__doc__, f"runs/{SCRIPT}", stage="sft").parse_args())
+rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+local_rank = int(os.environ.get("LOCAL_RANK", 0))
+device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+checkpoint_root = Path(args.out_dir) / "checkpoints"
+resume_dir = common.find_resume_checkpoint(args, checkpoint_root, SCRIPT)
+init_dir = common.find_init_checkpoint(args) if resume_dir is None else None  # a resume has its own weights
+
+# ---------------------------------------------------------------------------------------------- data
+tokenizer = common.get_chat_tokenizer()  # GPT-2 BPE plus the role and reasoning markers
+train, val = common.load_sft_data(args, tokenizer)  # Splits: tokens, labels (assistant tokens only), lengths, target counts
+common.check_enough_samples(train, val, world_size)
+
+# ---------------------------------------------------------------------------------------------- distributed
+# Every input check is behind us: from here on the ranks talk to each other.
+common.init_process_group(device)
+if device.type == "cuda":
+    torch.cuda.set_device(device)
+
+# ---------------------------------------------------------------------------------------------- model
+torch.manual_seed(args.seed)  # the same init on every rank, and in every script
+model = common.build_model(args.model)
+n_params, model_config = common.count_parameters(model), model.config
+if args.compile:
+    model.compile()  # compiles forward in place: one graph per bucket length, the state_dict keys unchanged
+
+# ---------------------------------------------------------------------------------------------- wrap
+# bf16: compute on bf16 copies of the gathered parameters; reduce gradients and keep the shards in fp32.
+mixed_precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+for layer in model.model.layers:  # one unit per decoder layer: only one layer is ever gathered at a time
+    fully_shard(layer, mp_policy=mixed_precision)
+fully_shard(model, mp_policy=mixed_precision)  # the root: embedding, tied head, final norm; default mesh: all ranks
+
+# ---------------------------------------------------------------------------------------------- init from pretraining
+if init_dir is not None:
+    model_state = get_model_state_dict(model)  # this rank's shards: DCP reads only those, nothing is gathered
+    dcp.load(model_state, checkpoint_id=init_dir / "model")
+    set_model_state_dict(model, model_state)
+    # The marker rows (50,257 and up) were never trained: start them at the mean of the real token rows, so
+    # their logits start at an average token's, plus tiny noise so that they differ from each other.
+    with torch.no_grad():
+        embedding = model.model.embed_tokens.weight  # tied to the output head; a DTensor sharded by rows
+        rows = embedding.full_tensor()  # this one matrix is gathered, once
+        new_rows = slice(common.EOT_ID + 1, common.EOT_ID + 1 + len(common.SPECIAL_TOKENS))
+        rows[new_rows] = rows[:common.EOT_ID + 1].mean(0) + 1e-3 * torch.randn_like(rows[new_rows])
+        embedding.copy_(distribute_tensor(rows, embedding.device_mesh, embedding.placements))
+
+# ---------------------------------------------------------------------------------------------- optimizer
+# Matrices decay; biases and norm gains do not. Decided by name: under FSDP1 every parameter is a flat 1-D shard.
+decay = [p for name, p in model.named_parameters() if not (name.endswith("bias") or "norm" in name)]
+no_decay = [p for name, p in model.named_parameters() if name.endswith("bias") or "norm" in name]
+optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+                              lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
+    common.lr_lambda, warmup_steps=args.warmup_steps, max_steps=args.max_steps, min_lr_ratio=args.min_lr_ratio))
+
+
+# ---------------------------------------------------------------------------------------------- checkpoint
+def save_checkpoint(step, data_position):
+    """Every rank writes its own shards with DCP into a partial folder that is renamed once complete."""
+    partial_dir = checkpoint_root / f".partial_step_{step}"
+    if rank == 0:
+        shutil.rmtree(partial_dir, ignore_errors=True)
+        partial_dir.mkdir(parents=True)
+        torch.save({"scheduler": scheduler.state_dict(), "step": step, "data_position": data_position,
+                    "rng": torch.get_rng_state()}, partial_dir / "train_state.pt")  # one copy: ranks seed alike
+    dist.barrier()  # the folder exists before anyone writes into it
+    dcp.save(get_model_state_dict(model), checkpoint_id=partial_dir / "model")  # DTensor shards, named as in the model
+    dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=partial_dir / "optimizer")  # keyed by name too
+    if rank == 0:
+        common.commit_checkpoint(partial_dir, args, SCRIPT, step, world_size)
+    dist.barrier()  # nobody runs ahead (or exits) before the checkpoint is committed
+
+
+def load_checkpoint(checkpoint_dir):
+    """DCP loads in place into state dicts shaped for THIS world size (so it reshards), then we set them."""
+    # get_optimizer_state_dict first gives a fresh AdamW its moments: dcp.load(optimizer.state_dict()) would load none.
+    model_state, optimizer_state = get_model_state_dict(model), get_optimizer_state_dict(model, optimizer)
+    dcp.load(model_state, checkpoint_id=checkpoint_dir / "model")
+    dcp.load(optimizer_state, checkpoint_id=checkpoint_dir / "optimizer")
+    set_model_state_dict(model, model_state)
+    set_optimizer_state_dict(model, optimizer, optimizer_state)
+    train_state = torch.load(checkpoint_dir / "train_state.pt", map_location="cpu", weights_only=True)
+    scheduler.load_state_dict(train_state["scheduler"])
+    torch.set_rng_state(train_state["rng"])
+    return train_state["step"], train_state["data_position"]
+
+
+# ---------------------------------------------------------------------------------------------- resume
+step, data_position = 0, {"epoch": 0, "index": 0}
+if resume_dir is not None:
+    step, data_position = load_checkpoint(resume_dir)
+    if rank == 0:
+        print(f"resumed from {resume_dir} at step {step}")
+
+
+def make_schedule(lengths, epoch, grad_accum, order):
+    return common.epoch_schedule(lengths, args.buckets, args.tokens_per_batch, world_size, grad_accum, args.seed, epoch, order)
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+val_schedule = make_schedule(val.lengths, 0, 1, "ascending")
+# Answer accuracy: greedy replies to held-out prompts, compared with the reference between the solution markers.
+val_prompts, val_answers, max_reply_tokens = common.answer_prompts(tokenizer, val, args.eval_generate)
+
+
+@torch.no_grad()
+def evaluate():
+    """Loss over the whole validation split (assistant tokens of all ranks, divided once), and answer accuracy."""
+    model.eval()
+    loss_sum = torch.zeros((), device=device)
+    for bucket_len, rows in val_schedule:
+        batch_size = common.bucket_batch_size(args.tokens_per_batch, bucket_len)
+        input_ids, targets = common.collate(val, rows[rank][0], bucket_len, batch_size)
+        logits = model(input_ids=input_ids.to(device)).logits
+        loss_sum += F.cross_entropy(logits.float().flatten(0, 1), targets.to(device).flatten(), reduction="sum")
+    mine = list(range(rank, len(val_prompts), world_size))  # each rank answers its share, in one batch
+    replies = common.generate_replies(model, [val_prompts[i] for i in mine], max_reply_tokens, synced=True) if val_prompts else []
+    correct = torch.tensor(float(sum(common.solution_text(tokenizer, r) == val_answers[i] for i, r in zip(mine, replies))), device=device)
+    dist.all_reduce(loss_sum)
+    dist.all_reduce(correct)
+    model.train()
+    return loss_sum.item() / sum(val.target_counts), correct.item() / len(val_prompts) if val_prompts else None
+
+
+# ---------------------------------------------------------------------------------------------- training loop
+Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+if rank == 0:
+    metrics_file = open(Path(args.out_dir) / "metrics.jsonl", "a" if resume_dir else "w")
+    writer = SummaryWriter(Path(args.out_dir) / "tensorboard")
+    progress = tqdm(total=args.max_steps, initial=step, desc=SCRIPT, dynamic_ncols=True)
+
+
+def log(row):
+    if rank == 0:
+        metrics_file.write(json.dumps(row) + "\n")
+        metrics_file.flush()
+        for name, value in row.items():
+            if name != "step" and value is not None:
+                writer.add_scalar(name, value, row["step"])
+
+
+peak_flops = common.device_peak_flops(device)
+schedule = make_schedule(train.lengths, data_position["epoch"], args.grad_accum, args.bucket_order)
+start_time, total_tokens, total_padded = time.perf_counter(), 0, 0
+val_loss, val_accuracy = evaluate() if step == 0 else (None, None)
+if step == 0:
+    log({"step": 0, "val_loss": val_loss, "val_accuracy": val_accuracy})
+model.train()
+while step < args.max_steps:
+    if data_position["index"] >= len(schedule):  # epoch done: the next one reshuffles, as a function of (seed, epoch)
+        data_position = {"epoch": data_position["epoch"] + 1, "index": 0}
+        schedule = make_schedule(train.lengths, data_position["epoch"], args.grad_accum, args.bucket_order)
+    bucket_len, rows = schedule[data_position["index"]]
+    data_position = {**data_position, "index": data_position["index"] + 1}
+    batch_size = common.bucket_batch_size(args.tokens_per_batch, bucket_len)
+    step_samples = [i for rank_rows in rows for micro_rows in rank_rows for i in micro_rows]
+    tokens = sum(train.lengths[i] for i in step_samples)
+    target_tokens = sum(train.target_counts[i] for i in step_samples)  # positions with a loss, all ranks
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    step_start = time.perf_counter()
+
+    loss_sum = torch.zeros((), device=device)
+    for micro, sample_ids in enumerate(rows[rank]):
+        input_ids, targets = common.collate(train, sample_ids, bucket_len, batch_size)
+        # Divide by the target tokens of the WHOLE step (all ranks, all micro-batches), not by this batch's:
+        # a long sample then weighs as much as it would in one big batch. The gradient sync averages over
+        # ranks, so we multiply by world_size to turn that average back into the sum.
+        model.set_requires_gradient_sync(micro == args.grad_accum - 1)  # FSDP2's switch for no_sync()
+        logits = model(input_ids=input_ids.to(device)).logits
+        micro_loss_sum = F.cross_entropy(logits.float().flatten(0, 1), targets.to(device).flatten(), reduction="sum")
+        (micro_loss_sum * world_size / target_tokens).backward()
+        loss_sum += micro_loss_sum.detach()
+    # The norm by hand, then the library clips with it: on CPU, torch's fp32 vector_norm (inside clip_grad_norm_)
+    # drifts by ~1e-4 on large tensors (pytorch#169237), while a sum of squares is exact to ~1e-7.
+    grad_norm = torch.stack([p.grad.square().sum() for p in model.parameters()]).sum().sqrt().full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.grad_clip or float("inf"), grad_norm)
+    lr = scheduler.get_last_lr()[0]
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    step += 1
+
+    dist.all_reduce(loss_sum)  # for the log only: the gradients were already exact
+    loss = loss_sum.item() / target_tokens
+    step_time = time.perf_counter() - step_start
+    padded_tokens = world_size * args.grad_accum * batch_size * bucket_len
+    total_tokens, total_padded = total_tokens + tokens, total_padded + padded_tokens
+    if step % args.log_every == 0 or step == args.max_steps:
+        flops = common.flops_per_token(n_params, model_config, bucket_len) * tokens
+        log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(), "tokens": tokens,
+             "padded_tokens": padded_tokens, "target_tokens": target_tokens, "bucket_len": bucket_len,
+             "batch_size": batch_size, "tokens_per_s": tokens / step_time,
+             "mfu": flops / step_time / (peak_flops * world_size) if peak_flops else None,
+             "peak_mem_gb": common.peak_memory_gb(device), "elapsed_s": time.perf_counter() - start_time})
+    if step % args.eval_every == 0 or step == args.max_steps:
+        val_loss, val_accuracy = evaluate()
+        log({"step": step, "val_loss": val_loss, "val_accuracy": val_accuracy})
+    if step % args.save_every == 0 or step == args.max_steps:
+        save_checkpoint(step, data_position)
+    if rank == 0:
+        progress.update(1)
+        progress.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens / step_time:,.0f}", bucket=bucket_len)
+
+# ---------------------------------------------------------------------------------------------- end
+if rank == 0:
+    progress.close()
+    writer.close()
+    metrics_file.close()
+    elapsed = time.perf_counter() - start_time
+    print(f"done: {step} steps, val loss {val_loss if val_loss is None else round(val_loss, 4)}, answer accuracy {val_accuracy}, "
+          f"non-padding share {total_tokens / max(1, total_padded):.1%}, {total_tokens / elapsed:,.0f} tokens/s, {elapsed:.0f}s")
+param_elements, optimizer_elements = common.local_state_sizes(model, optimizer)
+print(f"rank {rank} holds {param_elements:,} parameter and {optimizer_elements:,} optimizer-state elements ({n_params:,} parameters in the model)")
+dist.barrier()  # without it, a rank that exits first can abort the others' gloo teardown
+dist.destroy_process_group()

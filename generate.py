@@ -1,0 +1,57 @@
+"""Sample from, or chat with, a checkpoint of any of the four scripts: one process, CPU or one GPU, no torchrun.
+
+    python generate.py runs/fsdp2_pretrain --prompt "The interpreter reads"          # continue a text
+    python generate.py runs/fsdp2_sft --chat --prompt "Compute 7 - 3 + 5."           # one reply, greedy
+    python generate.py runs/fsdp2_sft --chat --temperature 0.8                       # an interactive chat
+
+CHECKPOINT is a checkpoint folder (runs/X/checkpoints/step_N) or a run's --out-dir (its newest checkpoint).
+"""
+import argparse
+import sys
+
+import torch
+
+import common
+
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("checkpoint", help="a checkpoint folder, or a run folder (its newest checkpoint is used)")
+parser.add_argument("--prompt", default=None, help="text to continue; with --chat, the user's message (no prompt: interactive)")
+parser.add_argument("--chat", action="store_true", help="treat the prompt as a user turn of the SFT chat format; stop at the end of the reply")
+parser.add_argument("--system", default=None, help="system message for --chat (default: the built-in set's, for a model finetuned on it)")
+parser.add_argument("--max-new-tokens", type=int, default=200, help="most tokens to generate per reply")
+parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+parser.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (with --temperature > 0)")
+parser.add_argument("--seed", type=int, default=1337, help="seeds the sampling")
+args = parser.parse_args()
+if not args.chat and args.prompt is None:
+    parser.error("--prompt is required without --chat")
+
+device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+model, meta = common.load_checkpoint_model(common.resolve_checkpoint(args.checkpoint), device)
+tokenizer = common.get_chat_tokenizer()  # GPT-2 BPE plus the SFT markers, which a pretrained model never saw
+torch.manual_seed(args.seed)
+
+
+def reply(prompt_tokens):
+    with torch.no_grad():
+        new_tokens = common.generate_replies(model, [prompt_tokens], args.max_new_tokens, args.temperature, args.top_k)[0]
+    if new_tokens and new_tokens[-1] in (common.SPECIAL_TOKENS[common.END_OF_TURN], common.EOT_ID):
+        new_tokens = new_tokens[:-1]  # the stop marker ends the reply; it is not part of it
+    return tokenizer.decode(new_tokens), new_tokens
+
+
+if not args.chat:  # a pretrained (or any) model continues plain text
+    print(args.prompt + reply(tokenizer.encode_ordinary(args.prompt))[0])
+    sys.exit(0)
+
+system = args.system if args.system is not None else (common.BUILTIN_SYSTEM_PROMPT if meta.get("data") == "builtin" else "")
+conversation = [("system", system)] if system else []
+while True:
+    message = args.prompt if args.prompt is not None else input("user> ")
+    conversation.append(("user", message))
+    prompt_tokens, _ = common.encode_conversation(tokenizer, conversation)
+    text, new_tokens = reply(prompt_tokens + [common.SPECIAL_TOKENS[common.ROLE_MARKERS["assistant"]]])
+    print(text if args.prompt is not None else f"assistant> {text}")
+    if args.prompt is not None:
+        break
+    conversation.append(("assistant", text))

@@ -1,0 +1,86 @@
+"""fsdp2_sft.py end to end on CPU with gloo, and generate.py on the checkpoints of every script."""
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+import common
+from helpers import PYTHON, REPO, TINY_RUN, check, copy_checkpoint, read_metrics, run_script
+
+NEW_ROWS = slice(common.EOT_ID + 1, common.EOT_ID + 1 + len(common.SPECIAL_TOKENS))
+
+
+def model_tensors(checkpoint_dir, tmp_path):
+    target = tmp_path / f"{checkpoint_dir.parent.parent.name}-{checkpoint_dir.name}.pt"
+    dcp_to_torch_save(checkpoint_dir / "model", target)
+    return torch.load(target, weights_only=True)
+
+
+def test_init_from_loads_every_pretrained_parameter(tiny_run, tmp_path):
+    pretrain_dir, _ = tiny_run("fsdp2_pretrain.py")
+    # lr 0: the step-1 checkpoint holds exactly the weights the SFT started from.
+    check(run_script("fsdp2_sft.py", "--model", "tiny", "--init-from", pretrain_dir, "--lr", 0, "--max-steps", 1,
+                     "--eval-generate", 0, "--val-fraction", 0.01, "--out-dir", tmp_path / "sft", nproc=2))
+    pretrained = model_tensors(pretrain_dir / "checkpoints" / "step_20", tmp_path)
+    finetuned = model_tensors(tmp_path / "sft" / "checkpoints" / "step_1", tmp_path)
+    assert pretrained.keys() == finetuned.keys() and len(pretrained) == 27  # 26 parameters, the tied head twice
+    for name, tensor in pretrained.items():
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            rows = torch.ones(tensor.shape[0], dtype=torch.bool)
+            rows[NEW_ROWS] = False
+            assert torch.equal(finetuned[name][rows], tensor[rows]), name
+            # The marker rows start at the mean of the real token rows (plus noise of std 1e-3).
+            mean = tensor[:common.EOT_ID + 1].mean(0)
+            assert (finetuned[name][NEW_ROWS] - mean).abs().max() < 0.01
+            assert not torch.equal(finetuned[name][NEW_ROWS][0], finetuned[name][NEW_ROWS][1])
+        else:
+            assert torch.equal(finetuned[name], tensor), name
+
+
+def test_sft_trains_on_assistant_tokens_only_and_resumes_exactly(tiny_run, tmp_path):
+    out, _ = tiny_run("fsdp2_sft.py")
+    original, val = read_metrics(out)
+    assert all(row["target_tokens"] < row["tokens"] for row in original.values())  # prompts carry no loss
+    assert sorted(val) == [0, 10, 20] and val[20] < val[0]
+    resumed_dir = copy_checkpoint(out, 10, tmp_path)
+    check(run_script("fsdp2_sft.py", *TINY_RUN, "--eval-generate", 8, "--out-dir", resumed_dir, "--resume", nproc=2))
+    resumed, _ = read_metrics(resumed_dir)
+    assert sorted(resumed) == list(range(11, 21))
+    for step in range(11, 21):
+        assert resumed[step]["loss"] == pytest.approx(original[step]["loss"], abs=1e-6)
+
+
+def test_sft_without_a_pretrained_checkpoint_says_what_to_run(tmp_path):
+    result = run_script("fsdp2_sft.py", "--model", "tiny", "--init-from", tmp_path / "nothing", "--out-dir", tmp_path / "sft", torchrun=False)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "fsdp2_pretrain.py" in result.stderr and "--init-from" in result.stderr
+
+
+def run_generate(*flags):
+    import subprocess
+
+    result = subprocess.run([PYTHON, str(REPO / "generate.py"), *map(str, flags)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_generate_reads_the_checkpoint_of_every_pretraining_script(tiny_run):
+    """The three strategies train the same model, so their step-20 checkpoints continue a text alike."""
+    texts = {script: run_generate(tiny_run(script)[0], "--prompt", "The interpreter", "--max-new-tokens", 12)
+             for script in ("ddp_pretrain.py", "fsdp1_pretrain.py", "fsdp2_pretrain.py")}
+    assert len(set(texts.values())) == 1
+    assert next(iter(texts.values())).startswith("The interpreter") and len(next(iter(texts.values()))) > len("The interpreter")
+
+
+def test_generate_chat_renders_the_trained_format(tiny_run):
+    out, _ = tiny_run("fsdp2_sft.py")
+    question = "Compute 4 + 3 - 2."
+    printed = run_generate(out, "--chat", "--prompt", question, "--max-new-tokens", 20)
+    # The same reply, made here by hand: system + user turn as in training, then the assistant marker.
+    model, meta = common.load_checkpoint_model(common.resolve_checkpoint(out))
+    tokenizer = common.get_chat_tokenizer()
+    prompt, _ = common.encode_conversation(tokenizer, [("system", common.BUILTIN_SYSTEM_PROMPT), ("user", question)])
+    with torch.no_grad():
+        reply = common.generate_replies(model, [prompt + [common.SPECIAL_TOKENS["<|assistant|>"]]], 20)[0]
+    stop = [common.SPECIAL_TOKENS[common.END_OF_TURN], common.EOT_ID]
+    expected = tokenizer.decode(reply[:-1] if reply and reply[-1] in stop else reply)
+    assert printed == expected + "\n"

@@ -135,7 +135,7 @@ def finalize_args(args):
     return args
 
 
-def build_model(preset, dtype=torch.float32):
+def build_model(preset):
     """A Qwen2 model (model class only) with the GPT-2 vocabulary and activation checkpointing on.
 
     Init: transformers' own Qwen2 init, normal(0, 0.02) for every matrix and zero biases, the scheme the
@@ -150,7 +150,7 @@ def build_model(preset, dtype=torch.float32):
         rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.02,
         bos_token_id=EOT_ID, eos_token_id=EOT_ID, pad_token_id=EOT_ID, use_cache=False, attn_implementation="sdpa",
     )
-    model = Qwen2ForCausalLM(config).to(dtype)
+    model = Qwen2ForCausalLM(config)
     # Recompute each decoder layer in backward instead of storing its activations (non-reentrant).
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model
@@ -222,7 +222,7 @@ def _looks_local(data):
     return os.path.exists(data) or data.startswith((".", "/", "~")) or data.endswith(DATA_SUFFIXES)
 
 
-def load_records(data, data_config=None, max_docs=None, split="train"):
+def load_records(data, data_config=None, max_docs=None):
     """Rows (dicts) of a local file or folder, or of a hub dataset, through `datasets`."""
     import datasets
 
@@ -245,7 +245,7 @@ def load_records(data, data_config=None, max_docs=None, split="train"):
             raise UsageError(f"--data {data} could not be read ({type(error).__name__}: {str(error).splitlines()[0][:200]})") from None
         return list(dataset)
     try:  # a hub dataset, streamed so that only the documents we take are downloaded
-        dataset = datasets.load_dataset(data, data_config, split=split, streaming=True)
+        dataset = datasets.load_dataset(data, data_config, split="train", streaming=True)
         return list(dataset.take(max_docs)) if max_docs else list(dataset)
     except Exception as error:
         raise UsageError(f"--data {data} could not be loaded from the Hugging Face hub ({type(error).__name__}): check the name, --data-config and the network") from None
@@ -708,25 +708,31 @@ def generate_replies(model, prompts, max_new_tokens, temperature=0.0, top_k=None
 def find_init_checkpoint(args):
     """--init-from for the SFT: a checkpoint folder of fsdp2_pretrain.py, or a run folder (its newest one)."""
     path = Path(args.init_from or "runs/fsdp2_pretrain")
-    found = [path] if (path / "meta.json").is_file() else complete_checkpoints(path / "checkpoints")
-    if not found:
+    checkpoint_dir = newest_checkpoint(path)
+    if checkpoint_dir is None:
         raise UsageError(f"no complete fsdp2_pretrain.py checkpoint at {path}: run `torchrun --standalone --nproc_per_node=2 "
                          f"fsdp2_pretrain.py` first, or pass --init-from")
-    meta = read_meta(found[-1], "--init-from")
+    meta = read_meta(checkpoint_dir, "--init-from")
     if meta["script"] != "fsdp2_pretrain":
-        raise UsageError(f"--init-from {found[-1]} was written by {meta['script']}.py: the SFT starts from an fsdp2_pretrain.py checkpoint")
+        raise UsageError(f"--init-from {checkpoint_dir} was written by {meta['script']}.py: the SFT starts from an fsdp2_pretrain.py checkpoint")
     if meta["model"] != args.model:
-        raise UsageError(f"--init-from {found[-1]} holds a '{meta['model']}' model: pass --model {meta['model']}")
-    return found[-1]
+        raise UsageError(f"--init-from {checkpoint_dir} holds a '{meta['model']}' model: pass --model {meta['model']}")
+    return checkpoint_dir
+
+
+def newest_checkpoint(path):
+    """PATH itself if it is a complete checkpoint folder, else the newest one of the run folder PATH, or None."""
+    path = Path(path)
+    found = [path] if (path / "meta.json").is_file() else complete_checkpoints(path / "checkpoints")
+    return found[-1] if found else None
 
 
 def resolve_checkpoint(path):
     """A checkpoint folder (step_<N>), or a run's --out-dir meaning its newest complete checkpoint."""
-    path = Path(path)
-    found = [path] if (path / "meta.json").is_file() else complete_checkpoints(path / "checkpoints")
-    if not found:
+    checkpoint_dir = newest_checkpoint(path)
+    if checkpoint_dir is None:
         raise UsageError(f"{path} is neither a checkpoint folder (step_N with meta.json) nor a run folder holding one")
-    return found[-1]
+    return checkpoint_dir
 
 
 def load_checkpoint_model(checkpoint_dir, device="cpu"):

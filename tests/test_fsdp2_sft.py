@@ -4,7 +4,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import common
-from helpers import PYTHON, REPO, TINY_RUN, check, copy_checkpoint, read_metrics, run_script
+from helpers import TINY_RUN, check, copy_checkpoint, read_metrics, run_script
 
 NEW_ROWS = slice(common.EOT_ID + 1, common.EOT_ID + 1 + len(common.SPECIAL_TOKENS))
 
@@ -56,11 +56,7 @@ def test_sft_without_a_pretrained_checkpoint_says_what_to_run(tmp_path):
 
 
 def run_generate(*flags):
-    import subprocess
-
-    result = subprocess.run([PYTHON, str(REPO / "generate.py"), *map(str, flags)], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
+    return check(run_script("generate.py", *flags, torchrun=False)).stdout
 
 
 def test_generate_reads_the_checkpoint_of_every_pretraining_script(tiny_run):

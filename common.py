@@ -57,7 +57,7 @@ MODEL_PRESETS = {
     "small": dict(
         model=dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2),
         train=dict(buckets="32,48,64,96,128,192,256", tokens_per_batch=1024, lr=3e-3, warmup_steps=10, max_steps=120, eval_every=40, save_every=40),
-        sft=dict(buckets="44,52,64,96", tokens_per_batch=512, lr=3e-3, warmup_steps=30, max_steps=600, eval_every=200, save_every=200),
+        sft=dict(buckets="68,96", tokens_per_batch=512, lr=3e-3, warmup_steps=30, max_steps=1000, eval_every=500, save_every=500),
     ),
     # The recipe: Qwen2-0.5B shapes with the GPT-2 vocabulary (402,970,496 parameters, tied embeddings).
     "qwen2-0.5b": dict(
@@ -153,7 +153,65 @@ def build_model(preset):
     model = Qwen2ForCausalLM(config)
     # Recompute each decoder layer in backward instead of storing its activations (non-reentrant).
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    hf_forward = model.forward
+
+    def forward(input_ids=None, targets=None, **kwargs):
+        """model(input_ids=..., targets=...) returns the summed loss over the targets, from logits made
+        a chunk at a time; without targets it is transformers' own forward (logits; generate() uses it).
+        Set on the model itself so that FSDP's and DDP's hooks around model(...) run as usual."""
+        if targets is None:
+            return hf_forward(input_ids=input_ids, **kwargs)
+        hidden = model.model(input_ids=input_ids).last_hidden_state
+        return chunked_cross_entropy(hidden, model.lm_head.weight, targets)
+
+    model.forward = forward
     return model
+
+
+# Rows of logits per chunk. CPU: 128 x 50,304 fp32 logits are 26 MB, under glibc's 32 MB mmap threshold, so
+# the same memory is reused instead of being page-faulted in afresh every step. GPU: big matmuls.
+LOSS_CHUNK_ROWS = {"cpu": 128, "cuda": 4096}
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy of hidden @ weight.T, one chunk of rows at a time. Each chunk's gradients are
+    computed right away (softmax minus one-hot, two matmuls), so no chunk's logits outlive it and the
+    backward has nothing left to do but scale: the same FLOPs as the plain loss, a fraction of its memory."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets):
+        needs_grad = any(ctx.needs_input_grad[:2])
+        loss = torch.zeros((), device=hidden.device, dtype=torch.float32)
+        grad_hidden = torch.empty_like(hidden) if needs_grad else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if needs_grad else None
+        rows = LOSS_CHUNK_ROWS.get(hidden.device.type, 4096)
+        for start in range(0, len(hidden), rows):
+            chunk, chunk_targets = hidden[start:start + rows], targets[start:start + rows]
+            logits = (chunk @ weight.T).float()  # in the compute dtype (bf16 under mixed precision), then fp32
+            log_normalizer = logits.logsumexp(dim=-1)
+            loss += (log_normalizer - logits.gather(1, chunk_targets[:, None]).squeeze(1)).sum()
+            if needs_grad:
+                grad_logits = logits.sub_(log_normalizer[:, None]).exp_()  # softmax, in place
+                grad_logits[torch.arange(len(chunk)), chunk_targets] -= 1
+                grad_logits = grad_logits.to(chunk.dtype)
+                grad_hidden[start:start + rows] = grad_logits @ weight
+                grad_weight += grad_logits.T @ chunk
+        if needs_grad:
+            ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_loss, grad_weight * grad_loss, None
+
+
+@torch.compiler.disable  # data-dependent shapes (which positions are targets) and a Python loop: runs eagerly
+def chunked_cross_entropy(hidden, weight, targets):
+    """Sum of -log p(target) over the positions whose target is not IGNORE_INDEX. Logits are made only at
+    those positions (padding, and prompts in SFT, cost nothing in the head) and a chunk at a time."""
+    is_target = targets != IGNORE_INDEX
+    return ChunkedCrossEntropy.apply(hidden[is_target], weight, targets[is_target])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -608,18 +666,19 @@ def conversation_messages(row, data):
 
 
 def builtin_reasoning_records(n=10_000, seed=0):
-    """A generated reasoning set in the OpenThoughts format, deterministic by seed: chains of 2 or 3
-    single-digit additions and subtractions, no problem twice. The thoughts rewrite the expression one
-    operation at a time (6 + 2 - 5 = 8 - 5 = 3), a chain of local steps a small model can learn; the
-    solution is the number."""
+    """A generated reasoning set in the OpenThoughts format, deterministic by seed: chains of three
+    single-digit additions and subtractions whose results stay within 0..9, no problem twice. Each thought
+    step does one operation and carries the rest (6 + 2 = 8, so 8 - 6 - 1; ...): every result sits right
+    after its operands, and the solution is "The answer is 1.". One chain length on purpose: a 4-layer
+    model learns to copy operands by position, and a rarer length is what it then gets wrong."""
     import random
 
-    assert n <= 12_000, "there are 14,520 distinct problems; ask for fewer"  # 10 * 11**2 + 10 * 11**3
+    assert n <= 12_000, "there are 13,310 distinct problems; ask for fewer"  # 10 * 11**3: 11 choices per step
     rng, records, seen = random.Random(seed), [], set()
     while len(records) < n:
         value = rng.randint(0, 9)
         terms = [str(value)]
-        for _ in range(rng.randint(2, 3)):
+        for _ in range(3):
             op = rng.choice("+-")
             operand = rng.randint(0, 9 - value) if op == "+" else rng.randint(0, value)  # results stay within 0..9
             value = value + operand if op == "+" else value - operand
@@ -628,13 +687,14 @@ def builtin_reasoning_records(n=10_000, seed=0):
         if question in seen:
             continue
         seen.add(question)
-        rewrites = [" ".join(terms)]
+        steps = []
         while len(terms) > 1:
             first, op, operand = int(terms[0]), terms[1], int(terms[2])
             terms = [str(first + operand if op == "+" else first - operand), *terms[3:]]
-            rewrites.append(" ".join(terms))
-        answer = (f"<|begin_of_thought|>\n\n{' = '.join(rewrites)}\n\n<|end_of_thought|>\n\n"
-                  f"<|begin_of_solution|>\n\n{value}\n\n<|end_of_solution|>")
+            steps.append(f"{first} {op} {operand} = {terms[0]}" + (f", so {' '.join(terms)}" if len(terms) > 1 else ""))
+        thoughts = "First, " + "; ".join(steps)  # a word first, so every number is the same " 5" token as in the question
+        answer = (f"<|begin_of_thought|>\n\n{thoughts}\n\n<|end_of_thought|>\n\n"
+                  f"<|begin_of_solution|>\n\nThe answer is {value}.\n\n<|end_of_solution|>")
         records.append({"system": BUILTIN_SYSTEM_PROMPT, "conversations": [
             {"from": "user", "value": question}, {"from": "assistant", "value": answer}]})
     return records

@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision
@@ -138,8 +137,7 @@ def evaluate():
     for bucket_len, rows in val_schedule:
         batch_size = common.bucket_batch_size(args.tokens_per_batch, bucket_len)
         input_ids, targets = common.collate(val, rows[rank][0], bucket_len, batch_size)
-        logits = model(input_ids=input_ids.to(device)).logits
-        loss_sum += F.cross_entropy(logits.float().flatten(0, 1), targets.to(device).flatten(), reduction="sum")
+        loss_sum += model(input_ids=input_ids.to(device), targets=targets.to(device))  # summed over the targets
     dist.all_reduce(loss_sum)
     model.train()
     return loss_sum.item() / sum(val.target_counts)
@@ -190,8 +188,8 @@ while step < args.max_steps:
         # a long sample then weighs as much as it would in one big batch. The gradient sync averages over
         # ranks, so we multiply by world_size to turn that average back into the sum.
         with model.no_sync() if micro < args.grad_accum - 1 else nullcontext():  # sync only after the last micro-batch
-            logits = model(input_ids=input_ids.to(device)).logits
-            micro_loss_sum = F.cross_entropy(logits.float().flatten(0, 1), targets.to(device).flatten(), reduction="sum")
+            # The summed loss; the model makes logits only at target positions, a chunk at a time (common.build_model).
+            micro_loss_sum = model(input_ids=input_ids.to(device), targets=targets.to(device))
             (micro_loss_sum * world_size / target_tokens).backward()
         loss_sum += micro_loss_sum.detach()
     # The norm by hand, then the library clips with it: on CPU, torch's fp32 vector_norm (inside clip_grad_norm_)

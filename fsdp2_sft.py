@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -141,8 +140,7 @@ def evaluate():
     for bucket_len, rows in val_schedule:
         batch_size = common.bucket_batch_size(args.tokens_per_batch, bucket_len)
         input_ids, targets = common.collate(val, rows[rank][0], bucket_len, batch_size)
-        logits = model(input_ids=input_ids.to(device)).logits
-        loss_sum += F.cross_entropy(logits.float().flatten(0, 1), targets.to(device).flatten(), reduction="sum")
+        loss_sum += model(input_ids=input_ids.to(device), targets=targets.to(device))  # summed over the targets
     mine = list(range(rank, len(val_prompts), world_size))  # each rank answers its share, in one batch
     replies = common.generate_replies(model, [val_prompts[i] for i in mine], max_reply_tokens, synced=True) if val_prompts else []
     correct = torch.tensor(float(sum(common.solution_text(tokenizer, r) == val_answers[i] for i, r in zip(mine, replies))), device=device)
@@ -197,8 +195,8 @@ while step < args.max_steps:
         # a long sample then weighs as much as it would in one big batch. The gradient sync averages over
         # ranks, so we multiply by world_size to turn that average back into the sum.
         model.set_requires_gradient_sync(micro == args.grad_accum - 1)  # FSDP2's switch for no_sync()
-        logits = model(input_ids=input_ids.to(device)).logits
-        micro_loss_sum = F.cross_entropy(logits.float().flatten(0, 1), targets.to(device).flatten(), reduction="sum")
+        # The summed loss; the model makes logits only at target positions, a chunk at a time (common.build_model).
+        micro_loss_sum = model(input_ids=input_ids.to(device), targets=targets.to(device))
         (micro_loss_sum * world_size / target_tokens).backward()
         loss_sum += micro_loss_sum.detach()
     # The norm by hand, then the library clips with it: on CPU, torch's fp32 vector_norm (inside clip_grad_norm_)

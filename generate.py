@@ -1,7 +1,7 @@
 """Sample from, or chat with, a checkpoint of any of the four scripts: one process, CPU or one GPU, no torchrun.
 
     python generate.py runs/fsdp2_pretrain --prompt "The interpreter reads"          # continue a text
-    python generate.py runs/fsdp2_sft --chat --prompt "Compute 7 - 3 + 5."           # one reply, greedy
+    python generate.py runs/fsdp2_sft --chat --prompt "Compute 7 - 3 + 5 - 2."       # one reply, greedy
     python generate.py runs/fsdp2_sft --chat --temperature 0.8                       # an interactive chat
 
 CHECKPOINT is a checkpoint folder (runs/X/checkpoints/step_N) or a run's --out-dir (its newest checkpoint).

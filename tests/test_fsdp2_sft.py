@@ -69,7 +69,7 @@ def test_generate_reads_the_checkpoint_of_every_pretraining_script(tiny_run):
 
 def test_generate_chat_renders_the_trained_format(tiny_run):
     out, _ = tiny_run("fsdp2_sft.py")
-    question = "Compute 4 + 3 - 2."
+    question = "Compute 4 + 3 - 2 + 1."
     printed = run_generate(out, "--chat", "--prompt", question, "--max-new-tokens", 20)
     # The same reply, made here by hand: system + user turn as in training, then the assistant marker.
     model, meta = common.load_checkpoint_model(common.resolve_checkpoint(out))

@@ -54,3 +54,28 @@ def test_flops_per_token_formula():
     n = common.count_parameters(model)
     # 6N + 12 * layers * heads * head_dim * seq_len, at seq_len 2048
     assert common.flops_per_token(n, model.config, 2048) == 6 * 402_970_496 + 12 * 24 * 14 * 64 * 2048
+
+
+def test_chunked_loss_equals_the_plain_loss_and_its_gradients():
+    """model(input_ids, targets=...) never builds the whole batch's logits; it must still be the plain
+    summed cross-entropy over the non-ignored targets, with the same gradient for every parameter."""
+    torch.manual_seed(0)
+    model = common.build_model("tiny")
+    model.train()
+    input_ids = torch.randint(0, 50_257, (3, 150))  # 330 targets: three 128-row chunks on CPU, the last one short
+    targets = torch.randint(0, 50_257, (3, 150))
+    targets[:, :30] = common.IGNORE_INDEX  # a prompt
+    targets[2, 120:] = common.IGNORE_INDEX  # padding
+    chunked = model(input_ids=input_ids, targets=targets)
+    chunked.backward()
+    chunked_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    logits = model(input_ids=input_ids).logits
+    plain = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    plain.backward()
+    assert int((targets != common.IGNORE_INDEX).sum()) > 2 * common.LOSS_CHUNK_ROWS["cpu"]
+    torch.testing.assert_close(chunked, plain, rtol=1e-5, atol=1e-5)
+    for a, b in zip(chunked_grads, [p.grad for p in model.parameters()]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # evaluation: the loss alone, no gradient work
+        torch.testing.assert_close(model(input_ids=input_ids, targets=targets), plain.detach(), rtol=1e-5, atol=1e-5)

@@ -2,6 +2,7 @@
 no message can forge a turn, and both dataset schemas give the same samples."""
 import argparse
 import json
+import re
 
 import numpy as np
 import pandas
@@ -72,8 +73,11 @@ def test_builtin_reasoning_set_is_deterministic_and_correct():
     assert len(set(questions)) == 300
     for record in records:
         expression = record["conversations"][0]["value"].removeprefix("Compute ").removesuffix(".")
-        answer = record["conversations"][1]["value"].split("<|begin_of_solution|>\n\n")[1].split("\n\n")[0]
-        assert int(answer) == eval(expression)
+        reply = record["conversations"][1]["value"]
+        assert reply.split("<|begin_of_solution|>\n\n")[1].split("\n\n")[0] == f"The answer is {eval(expression)}."
+        steps = re.findall(r"(\d) ([+-]) (\d) = (\d)", reply)  # one step per operation, each one right
+        assert len(steps) == expression.count(" + ") + expression.count(" - ")
+        assert all(eval(f"{a} {op} {b}") == int(c) for a, op, b, c in steps)
 
 
 def sft_args(tmp_path, data):

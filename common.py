@@ -522,8 +522,36 @@ def complete_checkpoints(checkpoint_root):
     return sorted(found, key=lambda p: int(p.name[5:]))
 
 
+def is_hf_folder(path):
+    """A Hugging Face model folder, as export_hf.py writes: config.json beside model.safetensors."""
+    return (Path(path) / "config.json").is_file() and (Path(path) / "model.safetensors").is_file()
+
+
+def hf_preset(path):
+    """The preset whose shape an exported folder's config.json has, or a usage error."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    for name, preset in MODEL_PRESETS.items():
+        if config.get("vocab_size") == VOCAB_SIZE and all(config.get(key) == value for key, value in preset["model"].items()):
+            return name
+    raise UsageError(f"{path} holds a model of no preset's shape ({', '.join(MODEL_PRESETS)}): export one of these scripts' checkpoints")
+
+
+def hf_state_dict(path):
+    """Whole tensors of an exported folder, named as in the model; the tied head is stored once, so it is added back."""
+    from safetensors.torch import load_file
+
+    state = load_file(Path(path) / "model.safetensors")
+    state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
+    return state
+
+
 def read_meta(checkpoint_dir, flag):
-    """The meta.json of a complete checkpoint folder, or a usage error naming `flag`."""
+    """The meta.json of a complete checkpoint folder (for an exported folder, what export_hf.py recorded and
+    the preset its shape matches), or a usage error naming `flag`."""
+    if is_hf_folder(checkpoint_dir):
+        export = Path(checkpoint_dir) / "export.json"
+        meta = json.loads(export.read_text()) if export.is_file() else {"script": "hf", "step": None, "data": None}
+        return {**meta, "model": hf_preset(checkpoint_dir), "hf": True}
     try:
         meta = json.loads((Path(checkpoint_dir) / "meta.json").read_text())
         if all(key in meta for key in ("script", "model", "step")):
@@ -773,7 +801,7 @@ def find_init_checkpoint(args):
         raise UsageError(f"no complete fsdp2_pretrain.py checkpoint at {path}: run `torchrun --standalone --nproc_per_node=2 "
                          f"fsdp2_pretrain.py` first, or pass --init-from")
     meta = read_meta(checkpoint_dir, "--init-from")
-    if meta["script"] != "fsdp2_pretrain":
+    if meta["script"] != "fsdp2_pretrain" and not meta.get("hf"):  # an exported folder is a plain model, whoever trained it
         raise UsageError(f"--init-from {checkpoint_dir} was written by {meta['script']}.py: the SFT starts from an fsdp2_pretrain.py checkpoint")
     if meta["model"] != args.model:
         raise UsageError(f"--init-from {checkpoint_dir} holds a '{meta['model']}' model: pass --model {meta['model']}")
@@ -783,7 +811,7 @@ def find_init_checkpoint(args):
 def newest_checkpoint(path):
     """PATH itself if it is a complete checkpoint folder, else the newest one of the run folder PATH, or None."""
     path = Path(path)
-    found = [path] if (path / "meta.json").is_file() else complete_checkpoints(path / "checkpoints")
+    found = [path] if (path / "meta.json").is_file() or is_hf_folder(path) else complete_checkpoints(path / "checkpoints")
     return found[-1] if found else None
 
 
@@ -808,11 +836,17 @@ def load_checkpoint_model(checkpoint_dir, device="cpu"):
     meta = read_meta(checkpoint_dir, "checkpoint")
     model = build_model(meta["model"]).eval()
     state = model.state_dict()
-    if meta["script"] == "ddp_pretrain":
-        state = torch.load(Path(checkpoint_dir) / "checkpoint.pt", map_location="cpu", weights_only=True)["model"]
-    elif meta["script"] == "fsdp1_pretrain":
-        dcp.load({"app": {"model": state}}, checkpoint_id=checkpoint_dir)  # reads only the model's entries
-    else:
-        dcp.load(state, checkpoint_id=Path(checkpoint_dir) / "model")
-    model.load_state_dict(state)
+    try:
+        if meta.get("hf"):
+            state = hf_state_dict(checkpoint_dir)
+        elif meta["script"] == "ddp_pretrain":
+            state = torch.load(Path(checkpoint_dir) / "checkpoint.pt", map_location="cpu", weights_only=True)["model"]
+        elif meta["script"] == "fsdp1_pretrain":
+            dcp.load({"app": {"model": state}}, checkpoint_id=checkpoint_dir)  # reads only the model's entries
+        else:
+            dcp.load(state, checkpoint_id=Path(checkpoint_dir) / "model")
+        model.load_state_dict(state)
+    except Exception as exc:  # a truncated or foreign file: say which checkpoint, in one line
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"checkpoint {checkpoint_dir} cannot be read ({reason}): it is damaged or not of these scripts") from None
     return model.to(device), meta

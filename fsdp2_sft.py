@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import distribute_tensor
@@ -60,10 +60,13 @@ for layer in model.model.layers:  # one unit per decoder layer: only one layer i
 fully_shard(model, mp_policy=mixed_precision)  # the root: embedding, tied head, final norm; default mesh: all ranks
 
 # ---------------------------------------------------------------------------------------------- init from pretraining
-if init_dir is not None:
+if init_dir is not None and common.is_hf_folder(init_dir):  # an export_hf.py folder: whole tensors, each rank keeps its shards
+    set_model_state_dict(model, common.hf_state_dict(init_dir), options=StateDictOptions(full_state_dict=True))
+elif init_dir is not None:
     model_state = get_model_state_dict(model)  # this rank's shards: DCP reads only those, nothing is gathered
     dcp.load(model_state, checkpoint_id=init_dir / "model")
     set_model_state_dict(model, model_state)
+if init_dir is not None:
     # The marker rows (50,257 and up) were never trained: start them at the mean of the real token rows, so
     # their logits start at an average token's, plus tiny noise so that they differ from each other.
     with torch.no_grad():

@@ -39,3 +39,10 @@ def copy_checkpoint(run_dir, step, new_run_dir):
 
     shutil.copytree(Path(run_dir) / "checkpoints" / f"step_{step}", Path(new_run_dir) / "checkpoints" / f"step_{step}")
     return Path(new_run_dir)
+
+
+def tree_hashes(folder):
+    """sha256 of every file under FOLDER: equal before and after means nothing was touched."""
+    import hashlib
+
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(Path(folder).rglob("*")) if p.is_file()}

@@ -1,5 +1,4 @@
 """ddp_pretrain.py end to end on CPU with gloo: init sanity, metrics, exact resume, loss normalisation, bad input."""
-import hashlib
 import json
 import math
 import random
@@ -8,7 +7,7 @@ import shutil
 
 import pytest
 
-from helpers import TINY_RUN, check, copy_checkpoint, read_metrics, run_script
+from helpers import TINY_RUN, check, copy_checkpoint, read_metrics, run_script, tree_hashes
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +93,6 @@ def test_plain_python_runs_as_a_single_process(tmp_path):
     assert sorted(train) == [1, 2] and train[1]["padded_tokens"] == train[1]["batch_size"] * train[1]["bucket_len"]
 
 
-def tree_hashes(folder):
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 BAD_INPUTS = {

@@ -1,0 +1,105 @@
+"""export_hf.py: every checkpoint format becomes a Hugging Face folder that transformers loads offline and
+that computes, tokenizes and generates exactly as the checkpoint does; the checkpoint is never touched."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+import common
+from helpers import check, read_metrics, run_script, tree_hashes
+
+SCRIPTS = ["ddp_pretrain.py", "fsdp1_pretrain.py", "fsdp2_pretrain.py", "fsdp2_sft.py"]
+STRINGS = ["Hello world", "  two  spaces, tabs\tand\nnewlines ", "naïve café 東京 🙂", "x = [i ** 2 for i in range(10)]",
+           "<|begin_of_thought|>\n\nFirst, 6 + 2 = 8<|end_of_thought|>", "<|user|>hi<|end_of_turn|><|assistant|>", "<|endoftext|>"]
+
+
+def export(checkpoint, out_dir):
+    return run_script("export_hf.py", checkpoint, out_dir, torchrun=False, env={"HF_HUB_OFFLINE": "1"})
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_run, tmp_path_factory):
+    """{script: (checkpoint folder, exported folder, checkpoint hashes before the export)}"""
+    folders = {}
+    for script in SCRIPTS:
+        checkpoint_dir = common.resolve_checkpoint(tiny_run(script)[0])
+        before = tree_hashes(checkpoint_dir)
+        out_dir = tmp_path_factory.mktemp("hf") / script.removesuffix(".py")
+        check(export(checkpoint_dir, out_dir))
+        folders[script] = (checkpoint_dir, out_dir, before)
+    return folders
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_exported_model_computes_the_same_logits(exported, script):
+    checkpoint_dir, out_dir, before = exported[script]
+    assert tree_hashes(checkpoint_dir) == before  # the export only read the checkpoint
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= {p.name for p in out_dir.iterdir()}
+    trained, _ = common.load_checkpoint_model(checkpoint_dir)
+    hf_model = AutoModelForCausalLM.from_pretrained(out_dir, local_files_only=True).eval()
+    assert type(hf_model).__name__ == "Qwen2ForCausalLM"
+    input_ids = torch.randint(0, common.EOT_ID + 1 + len(common.SPECIAL_TOKENS), (3, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(input_ids=input_ids).logits, trained(input_ids=input_ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_exported_tokenizer_gives_the_training_ids(exported, script):
+    # AutoTokenizer loads offline, but transformers 5 maps model_type qwen2 to Qwen2Tokenizer, which rebuilds
+    # Qwen's own pre-tokenizer and ignores tokenizer.json's GPT-2 one; the generic class reads the file as is.
+    assert AutoTokenizer.from_pretrained(exported[script][1], local_files_only=True).convert_tokens_to_ids("<|end_of_turn|>") == 50260
+    hf_tokenizer = PreTrainedTokenizerFast.from_pretrained(exported[script][1], local_files_only=True)
+    tokenizer = common.get_chat_tokenizer()
+    for text in STRINGS:
+        assert hf_tokenizer(text, add_special_tokens=False)["input_ids"] == tokenizer.encode(text, allowed_special="all"), text
+        assert hf_tokenizer.decode(tokenizer.encode(text, allowed_special="all")) == text
+
+
+def test_transformers_generate_on_the_export_matches_generate_py(exported):
+    checkpoint_dir, out_dir, _ = exported["fsdp2_sft.py"]
+    question = "Compute 4 + 3 - 2 + 1."
+    printed = check(run_script("generate.py", checkpoint_dir, "--chat", "--prompt", question, "--max-new-tokens", 20, torchrun=False)).stdout
+    hf_tokenizer = PreTrainedTokenizerFast.from_pretrained(out_dir, local_files_only=True)
+    hf_model = AutoModelForCausalLM.from_pretrained(out_dir, local_files_only=True).eval()
+    messages = [{"role": "system", "content": common.BUILTIN_SYSTEM_PROMPT}, {"role": "user", "content": question}]
+    prompt = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    output = hf_model.generate(prompt, max_new_tokens=20, do_sample=False)  # eos: <|end_of_turn|>, from generation_config.json
+    assert printed == hf_tokenizer.decode(output[0, prompt.shape[1]:], skip_special_tokens=False).removesuffix("<|end_of_turn|>") + "\n"
+
+
+def test_export_refuses_a_partial_checkpoint_and_a_used_out_dir(exported, tmp_path):
+    checkpoint_dir, out_dir, _ = exported["ddp_pretrain.py"]
+    partial = tmp_path / "step_30"
+    partial.mkdir()
+    (partial / "checkpoint.pt").write_bytes(b"cut short")  # a save that never wrote its meta.json
+    for args, message in [((partial, tmp_path / "a"), "is neither a checkpoint folder"),
+                          ((checkpoint_dir, out_dir), "already exists and is not empty")]:
+        result = run_script("export_hf.py", *args, torchrun=False)
+        assert result.returncode == 1 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_export_refuses_a_truncated_checkpoint_file(exported, tmp_path):
+    checkpoint_dir = exported["ddp_pretrain.py"][0]
+    broken = tmp_path / "step_20"
+    broken.mkdir()
+    (broken / "meta.json").write_bytes((checkpoint_dir / "meta.json").read_bytes())
+    (broken / "checkpoint.pt").write_bytes((checkpoint_dir / "checkpoint.pt").read_bytes()[:5000])
+    result = run_script("export_hf.py", broken, tmp_path / "out", torchrun=False)
+    assert result.returncode == 1 and "cannot be read" in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_generate_and_sft_init_accept_an_exported_folder(exported, tmp_path):
+    checkpoint_dir, out_dir, _ = exported["fsdp2_sft.py"]
+    flags = ["--chat", "--prompt", "Compute 1 + 2 + 3 - 4.", "--max-new-tokens", 12]
+    assert (check(run_script("generate.py", out_dir, *flags, torchrun=False)).stdout
+            == check(run_script("generate.py", checkpoint_dir, *flags, torchrun=False)).stdout)
+    # The SFT starts from the exported pretraining weights exactly as from the DCP checkpoint: same first loss.
+    pretrain_dir, pretrain_export, _ = exported["fsdp2_pretrain.py"]
+    first_losses = []
+    for init in (pretrain_dir, pretrain_export):
+        out = tmp_path / init.name
+        check(run_script("fsdp2_sft.py", "--model", "tiny", "--init-from", init, "--max-steps", 2, "--eval-generate", 0,
+                         "--val-fraction", 0.01, "--out-dir", out, nproc=2))
+        first_losses.append(read_metrics(out)[0][1]["loss"])
+    assert first_losses[0] == pytest.approx(first_losses[1], abs=1e-6)

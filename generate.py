@@ -4,7 +4,8 @@
     python generate.py runs/fsdp2_sft --chat --prompt "Compute 7 - 3 + 5 - 2."       # one reply, greedy
     python generate.py runs/fsdp2_sft --chat --temperature 0.8                       # an interactive chat
 
-CHECKPOINT is a checkpoint folder (runs/X/checkpoints/step_N) or a run's --out-dir (its newest checkpoint).
+CHECKPOINT is a checkpoint folder (runs/X/checkpoints/step_N), a run's --out-dir (its newest checkpoint), or a
+folder written by export_hf.py.
 """
 import argparse
 import sys
@@ -14,7 +15,7 @@ import torch
 import common
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("checkpoint", help="a checkpoint folder, or a run folder (its newest checkpoint is used)")
+parser.add_argument("checkpoint", help="a checkpoint folder, a run folder (its newest checkpoint is used), or an export_hf.py folder")
 parser.add_argument("--prompt", default=None, help="text to continue; with --chat, the user's message (no prompt: interactive)")
 parser.add_argument("--chat", action="store_true", help="treat the prompt as a user turn of the SFT chat format; stop at the end of the reply")
 parser.add_argument("--system", default=None, help="system message for --chat (default: the built-in set's, for a model finetuned on it)")

@@ -32,8 +32,8 @@ def _report_usage_error(exc_type, exc, tb, _default_hook=sys.excepthook):
     # Every rank reaches the same UsageError (all validate the same input before any collective),
     # so rank 0 alone prints it and the others leave quietly; the exit code is 1 either way.
     if issubclass(exc_type, UsageError):
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
+        if int(os.environ.get("RANK", 0)) == 0:  # the real stderr: torch.distributed's own hook would prefix "[rank0]:"
+            print(f"error: {exc}", file=sys.__stderr__, flush=True)
         return
     _default_hook(exc_type, exc, tb)
 
@@ -132,6 +132,8 @@ def finalize_args(args):
             raise UsageError(f"--{flag.replace('_', '-')} must be at least 1")
     if not 0 < args.val_fraction < 1:
         raise UsageError("--val-fraction must be between 0 and 1")
+    if Path(args.out_dir).exists() and not Path(args.out_dir).is_dir():
+        raise UsageError(f"--out-dir {args.out_dir} is a file: choose a folder")
     return args
 
 
@@ -512,6 +514,37 @@ def peak_memory_gb(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
 
 
+def open_metrics(path, resumed_step=None):
+    """metrics.jsonl, opened for appending rows. On resume, rows after the checkpoint's step (written by the
+    run that crashed after it, and about to be trained again) are dropped first, so every step appears once."""
+    path = Path(path)
+    if resumed_step is None or not path.exists():
+        return open(path, "w")
+    def kept(line):
+        try:
+            return json.loads(line)["step"] <= resumed_step
+        except (ValueError, KeyError, TypeError):
+            return False  # a row the crash cut short
+
+    path.write_text("".join(line for line in path.read_text().splitlines(keepends=True) if kept(line)))
+    return open(path, "a")
+
+
+def stop_if_nonfinite(step, loss, grad_norm):
+    """Called before the optimizer step with the global loss and gradient norm, which every rank holds alike:
+    on inf or NaN all ranks stop together here, so the weights, and any later checkpoint, never see it."""
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        return
+    import torch.distributed as dist
+
+    dist.barrier()  # leave the way a finished run does: no rank tears gloo down under another
+    dist.destroy_process_group()
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(file=sys.__stderr__)  # end the progress bar's line
+    raise UsageError(f"step {step}: the loss is {loss} and the gradient norm {grad_norm}; stopped before the update, "
+                     f"no checkpoint was written: lower --lr or raise --warmup-steps")
+
+
 def complete_checkpoints(checkpoint_root):
     """Committed checkpoints (step_<N> folders), oldest first. A save writes into a hidden temporary
     folder and renames it only when complete, so a crash mid-save never shows up here."""
@@ -554,11 +587,16 @@ def read_meta(checkpoint_dir, flag):
         return {**meta, "model": hf_preset(checkpoint_dir), "hf": True}
     try:
         meta = json.loads((Path(checkpoint_dir) / "meta.json").read_text())
-        if all(key in meta for key in ("script", "model", "step")):
-            return meta
     except (OSError, ValueError):
-        pass
-    raise UsageError(f"{flag} {checkpoint_dir} is not a complete checkpoint of these scripts (no readable meta.json)")
+        meta = None
+    if not isinstance(meta, dict) or not all(key in meta for key in ("script", "model", "step")):
+        raise UsageError(f"{flag} {checkpoint_dir} is not a complete checkpoint of these scripts (no readable meta.json)")
+    for name, size in meta.get("files", {}).items():  # the sizes recorded at commit
+        path = Path(checkpoint_dir) / name
+        if not path.is_file() or path.stat().st_size != size:
+            found = f"{path.stat().st_size} bytes" if path.is_file() else "missing"
+            raise UsageError(f"{flag} {checkpoint_dir} is damaged: {name} is {found}, {size} bytes were written; pass an older checkpoint folder")
+    return meta
 
 
 def find_resume_checkpoint(args, checkpoint_root, script):
@@ -593,12 +631,26 @@ def commit_checkpoint(partial_dir, args, script, step, world_size):
     """
     import shutil
 
+    files = {str(f.relative_to(partial_dir)): f.stat().st_size for f in sorted(partial_dir.rglob("*")) if f.is_file()}
     meta = {"script": script, "model": args.model, "model_config": MODEL_PRESETS[args.model]["model"],
-            "vocab_size": VOCAB_SIZE, "step": step, "world_size": world_size, "data": args.data}
+            "vocab_size": VOCAB_SIZE, "step": step, "world_size": world_size, "data": args.data,
+            "files": files}  # every file's size: a truncated or missing file is caught before anything loads
     (partial_dir / "meta.json").write_text(json.dumps(meta, indent=2))
     os.replace(partial_dir, partial_dir.parent / f"step_{step}")
-    for old in complete_checkpoints(partial_dir.parent)[:-args.keep_last]:
-        shutil.rmtree(old)
+    for old in complete_checkpoints(partial_dir.parent)[:-args.keep_last]:  # never the newest: keep_last >= 1
+        removing = old.with_name(f".removing_{old.name}")
+        os.replace(old, removing)  # hidden first, so a crash mid-delete leaves no half-deleted step_<N>
+        shutil.rmtree(removing)
+
+
+def remove_incomplete_checkpoints(checkpoint_root):
+    """Rank 0, on start: delete what a crashed run left behind, saves never committed or deletions never
+    finished. Neither is a complete checkpoint, so --resume never reads them; this only frees the disk."""
+    import shutil
+
+    for leftover in Path(checkpoint_root).glob(".*_step_*"):
+        if leftover.name.startswith((".partial_step_", ".removing_step_")):
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def check_enough_samples(train, val, world_size):
@@ -610,6 +662,7 @@ def check_enough_samples(train, val, world_size):
 
 def init_process_group(device):
     """NCCL on CUDA, gloo on CPU. A plain `python script.py` becomes a process group of one."""
+    import datetime
     import socket
 
     import torch.distributed as dist
@@ -618,10 +671,13 @@ def init_process_group(device):
         with socket.socket() as free:
             free.bind(("127.0.0.1", 0))
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free.getsockname()[1]), RANK="0", WORLD_SIZE="1")
+    # A collective that waits longer than this fails instead of hanging (gloo's default is 30 minutes). A dead
+    # rank is caught much sooner: torchrun sees the process exit and stops the others within a second or so.
+    timeout = datetime.timedelta(minutes=10)
     if device.type == "cuda":
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, timeout=timeout)
     else:
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timeout)
 
 
 def local_state_sizes(model, optimizer):

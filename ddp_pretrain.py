@@ -37,6 +37,8 @@ common.check_enough_samples(train, val, world_size)
 
 # ---------------------------------------------------------------------------------------------- distributed
 # Every input check is behind us: from here on the ranks talk to each other.
+if rank == 0:
+    common.remove_incomplete_checkpoints(checkpoint_root)  # what a crashed run left half-written
 common.init_process_group(device)
 if device.type == "cuda":
     torch.cuda.set_device(device)
@@ -121,8 +123,8 @@ def evaluate():
 # ---------------------------------------------------------------------------------------------- training loop
 Path(args.out_dir).mkdir(parents=True, exist_ok=True)
 if rank == 0:
-    metrics_file = open(Path(args.out_dir) / "metrics.jsonl", "a" if resume_dir else "w")
-    writer = SummaryWriter(Path(args.out_dir) / "tensorboard")
+    metrics_file = common.open_metrics(Path(args.out_dir) / "metrics.jsonl", step if resume_dir else None)
+    writer = SummaryWriter(Path(args.out_dir) / "tensorboard", purge_step=step + 1 if resume_dir else None)  # drops a crashed run's later points
     progress = tqdm(total=args.max_steps, initial=step, desc=SCRIPT, dynamic_ncols=True)
 
 
@@ -171,14 +173,15 @@ while step < args.max_steps:
     # drifts by ~1e-4 on large tensors (pytorch#169237), while a sum of squares is exact to ~1e-7.
     grad_norm = torch.stack([p.grad.square().sum() for p in model.parameters()]).sum().sqrt()
     torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.grad_clip or float("inf"), grad_norm)
+    dist.all_reduce(loss_sum)  # for the log and the check: the gradients were already exact
+    loss = loss_sum.item() / target_tokens
+    common.stop_if_nonfinite(step + 1, loss, grad_norm.item())  # global values: every rank stops here alike, before the update
     lr = scheduler.get_last_lr()[0]
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     step += 1
 
-    dist.all_reduce(loss_sum)  # for the log only: the gradients were already exact
-    loss = loss_sum.item() / target_tokens
     step_time = time.perf_counter() - step_start
     padded_tokens = world_size * args.grad_accum * batch_size * bucket_len
     total_tokens, total_padded = total_tokens + tokens, total_padded + padded_tokens

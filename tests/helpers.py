@@ -9,7 +9,7 @@ REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 # The run most tests share: tiny model, built-in data, 20 steps, checkpoints at steps 10 and 20, fp32, a small
 # validation split (evaluation dominates a tiny run on CPU).
-TINY_RUN = ["--model", "tiny", "--max-steps", 20, "--save-every", 10, "--eval-every", 10, "--dtype", "fp32", "--val-fraction", 0.01]
+TINY_RUN = ["--model", "tiny", "--max-steps", 20, "--save-every", 10, "--eval-every", 10, "--dtype", "fp32", "--val-fraction", 0.002]
 
 
 def run_script(script, *flags, nproc=1, torchrun=True, timeout=600, env=None):

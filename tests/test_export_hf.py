@@ -78,14 +78,17 @@ def test_export_refuses_a_partial_checkpoint_and_a_used_out_dir(exported, tmp_pa
         assert len(result.stderr.strip().splitlines()) == 1
 
 
-def test_export_refuses_a_truncated_checkpoint_file(exported, tmp_path):
+@pytest.mark.parametrize("damage,message", [("truncated", "is damaged"), ("overwritten", "cannot be read")])
+def test_export_refuses_a_damaged_checkpoint_file(damage, message, exported, tmp_path):
+    """A short file is caught by the sizes in meta.json; one of the right size but wrong bytes, by the load."""
     checkpoint_dir = exported["ddp_pretrain.py"][0]
     broken = tmp_path / "step_20"
     broken.mkdir()
     (broken / "meta.json").write_bytes((checkpoint_dir / "meta.json").read_bytes())
-    (broken / "checkpoint.pt").write_bytes((checkpoint_dir / "checkpoint.pt").read_bytes()[:5000])
+    weights = (checkpoint_dir / "checkpoint.pt").read_bytes()
+    (broken / "checkpoint.pt").write_bytes(weights[:5000] if damage == "truncated" else bytes(len(weights)))
     result = run_script("export_hf.py", broken, tmp_path / "out", torchrun=False)
-    assert result.returncode == 1 and "cannot be read" in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert result.returncode == 1 and message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not (tmp_path / "out").exists()
 
 
@@ -100,6 +103,6 @@ def test_generate_and_sft_init_accept_an_exported_folder(exported, tmp_path):
     for init in (pretrain_dir, pretrain_export):
         out = tmp_path / init.name
         check(run_script("fsdp2_sft.py", "--model", "tiny", "--init-from", init, "--max-steps", 2, "--eval-generate", 0,
-                         "--val-fraction", 0.01, "--out-dir", out, nproc=2))
+                         "--val-fraction", 0.002, "--out-dir", out, nproc=2))
         first_losses.append(read_metrics(out)[0][1]["loss"])
     assert first_losses[0] == pytest.approx(first_losses[1], abs=1e-6)

@@ -61,7 +61,7 @@ def checkpoint_tensors(checkpoint_dir, tmp_path):
     for part in parts:
         target = tmp_path / f"{checkpoint_dir.parent.parent.name}-{part or 'app'}.pt"
         dcp_to_torch_save(checkpoint_dir / part, target)
-        walk(part, torch.load(target, weights_only=False))
+        walk(part, torch.load(target, weights_only=True))
     return flat
 
 
@@ -99,8 +99,9 @@ def test_checkpoint_from_2_ranks_resumes_on_1_rank(script, tiny_run, tmp_path):
         assert resumed[step]["loss"] == pytest.approx(original[step]["loss"], abs=1e-5)
 
 
-@pytest.mark.parametrize("script", ["ddp_pretrain.py", *FSDP_SCRIPTS])
-def test_resume_ignores_a_checkpoint_whose_save_was_interrupted(script, tiny_run, tmp_path):
+def test_resume_ignores_a_checkpoint_whose_save_was_interrupted(tiny_run, tmp_path):
+    """Staged by hand for FSDP1 (DDP and FSDP2 have really been killed mid-save in test_crash.py)."""
+    script = "fsdp1_pretrain.py"
     out, _ = tiny_run(script)
     run_dir = copy_checkpoint(out, 10, tmp_path)
     # A save killed before its commit: the partial folder holds the weights but was never renamed.

@@ -1,0 +1,68 @@
+"""Run a training script and SIGKILL one of its ranks at a chosen moment, as a preempted node or an OOM kill would:
+
+    CRASH_RANK=1 CRASH_AT=step:15 torchrun --nproc_per_node=2 tests/crash.py SCRIPT.py [flags]
+
+CRASH_AT is `step:N` (just before the Nth optimizer step) or `save:N` (in the middle of writing checkpoint
+step_N: DDP's rank 0 dies with half of checkpoint.pt written; under DCP, the rank dies as it starts the last
+dcp.save into the folder, the optimizer's for FSDP2). Just before dying, the rank writes the time to
+CRASH_STAMP, so a test can measure how long the rest of the job takes to notice. The scripts are not modified:
+this file patches the library calls they make, then runs the script as __main__.
+"""
+import io
+import os
+import runpy
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+REPO = Path(__file__).resolve().parent.parent
+kind, number = os.environ["CRASH_AT"].split(":")
+is_victim = int(os.environ.get("RANK", 0)) == int(os.environ.get("CRASH_RANK", 0))
+target_folder = f".partial_step_{number}"
+
+
+def die():
+    Path(os.environ["CRASH_STAMP"]).write_text(str(time.time()))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+if is_victim and kind == "step":
+    steps = 0
+
+    def before_step(optimizer, args, kwargs):
+        global steps
+        steps += 1
+        if steps == int(number):
+            die()
+
+    register_optimizer_step_pre_hook(before_step)
+
+if is_victim and kind == "save":
+    real_torch_save, real_dcp_save = torch.save, dcp.save
+
+    def torch_save(obj, path, *args, **kwargs):
+        is_target = isinstance(path, (str, os.PathLike)) and Path(path).parent.name == target_folder  # DCP saves to streams
+        if is_target and Path(path).name == "checkpoint.pt":
+            buffer = io.BytesIO()
+            real_torch_save(obj, buffer, *args, **kwargs)
+            Path(path).write_bytes(buffer.getvalue()[:buffer.tell() // 2])  # half the file, then the lights go out
+            die()
+        return real_torch_save(obj, path, *args, **kwargs)
+
+    def dcp_save(state_dict, *args, checkpoint_id=None, **kwargs):
+        folder = Path(checkpoint_id)
+        if target_folder in (folder.name, folder.parent.name) and folder.name != "model":  # FSDP2: model/ is done
+            die()
+        return real_dcp_save(state_dict, *args, checkpoint_id=checkpoint_id, **kwargs)
+
+    torch.save, dcp.save = torch_save, dcp_save
+
+script = str(REPO / sys.argv[1])
+sys.argv = [script, *sys.argv[2:]]
+sys.path.insert(0, str(REPO))
+runpy.run_path(script, run_name="__main__")

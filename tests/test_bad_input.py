@@ -1,0 +1,81 @@
+"""Every user mistake we could think of ends the run with one `error:` line that names the flag to change, a
+non-zero exit, no traceback from our code, and every existing checkpoint byte-for-byte as it was.
+README's "What is guarded" lists the same table."""
+import json
+import shutil
+
+import pytest
+
+from helpers import REPO, run_script, tree_hashes
+
+SFT_INIT = ["--init-from", "{tmp}/fsdp2"]  # a valid pretrained checkpoint, so the SFT gets as far as its data
+BAD_INPUTS = {  # case: (script, flags, ranks, words the error line must hold: the flag first)
+    "data path that does not exist": ("ddp_pretrain.py", ["--data", "{tmp}/nope/train.txt"], 1, ["--data", "does not exist"]),
+    "folder with no data files": ("ddp_pretrain.py", ["--data", "{tmp}/empty_folder"], 1, ["--data", "holds no"]),
+    "text file that is not UTF-8": ("ddp_pretrain.py", ["--data", "{tmp}/latin1.txt"], 1, ["--data", "could not be read"]),
+    "data folder mixing file kinds": ("ddp_pretrain.py", ["--data", "{tmp}/mixed"], 1, ["--data", "mixes file types"]),
+    "jsonl with a broken line": ("ddp_pretrain.py", ["--data", "{tmp}/broken.jsonl"], 1, ["--data", "could not be read"]),
+    "only blank documents": ("ddp_pretrain.py", ["--data", "{tmp}/blank.txt"], 1, ["--data", "holds no documents"]),
+    "no such text column": ("ddp_pretrain.py", ["--data", "{tmp}/content.jsonl"], 1, ["--text-field", "content"]),
+    "more ranks than samples": ("ddp_pretrain.py", ["--model", "tiny", "--data", "{tmp}/two_docs.jsonl"], 2, ["--data", "fewer than the 2 ranks"]),
+    "SFT rows in neither schema": ("fsdp2_sft.py", ["--model", "tiny", *SFT_INIT, "--data", "{tmp}/prompt_response.jsonl"], 1, ["--data", "neither"]),
+    "SFT turn with an unknown role": ("fsdp2_sft.py", ["--model", "tiny", *SFT_INIT, "--data", "{tmp}/tool_role.jsonl"], 1, ["--data", "'tool'"]),
+    "SFT conversation with no assistant turn": ("fsdp2_sft.py", ["--model", "tiny", *SFT_INIT, "--data", "{tmp}/no_assistant.jsonl"], 1, ["--data", "no assistant turn"]),
+    "unknown model preset": ("ddp_pretrain.py", ["--model", "huge"], 1, ["--model", "huge"]),
+    "step count that is not a number": ("ddp_pretrain.py", ["--max-steps", "ten"], 1, ["--max-steps", "invalid int"]),
+    "buckets that are not numbers": ("ddp_pretrain.py", ["--model", "tiny", "--buckets", "short,long"], 1, ["--buckets"]),
+    "batch smaller than the largest bucket": ("ddp_pretrain.py", ["--model", "tiny", "--tokens-per-batch", 64], 1, ["--tokens-per-batch"]),
+    "accumulation below 1": ("ddp_pretrain.py", ["--model", "tiny", "--grad-accum", 0], 1, ["--grad-accum", "at least 1"]),
+    "out-dir that is a file": ("ddp_pretrain.py", ["--model", "tiny", "--out-dir", "{tmp}/blank.txt"], 1, ["--out-dir", "is a file"]),
+    "fresh run over existing checkpoints": ("ddp_pretrain.py", ["--model", "tiny", "--out-dir", "{tmp}/ddp"], 1, ["--resume", "already holds"]),
+    "resume with no checkpoint": ("ddp_pretrain.py", ["--model", "tiny", "--resume"], 1, ["--resume", "no complete checkpoint"]),
+    "resume from a folder that is no checkpoint": ("ddp_pretrain.py", ["--model", "tiny", "--resume", "{tmp}/empty_folder"], 1, ["--resume", "not a complete checkpoint"]),
+    "resume an older checkpoint beside newer ones": ("ddp_pretrain.py", ["--model", "tiny", "--out-dir", "{tmp}/ddp", "--resume", "{tmp}/ddp/checkpoints/step_10"], 1, ["--resume", "newer checkpoints"]),
+    "resume with another model shape": ("ddp_pretrain.py", ["--model", "small", "--out-dir", "{tmp}/ddp", "--resume"], 1, ["--model", "'tiny'"]),
+    "resume another strategy's checkpoint": ("fsdp2_pretrain.py", ["--model", "tiny", "--resume", "{tmp}/ddp/checkpoints/step_20"], 1, ["--resume", "ddp_pretrain.py"]),
+    "resume from a truncated checkpoint file": ("ddp_pretrain.py", ["--model", "tiny", "--resume", "{tmp}/truncated/checkpoints/step_20"], 1, ["--resume", "damaged"]),
+    "init-from a DDP checkpoint": ("fsdp2_sft.py", ["--model", "tiny", "--init-from", "{tmp}/ddp"], 1, ["--init-from", "ddp_pretrain.py"]),
+    "init-from a folder with no checkpoint": ("fsdp2_sft.py", ["--model", "tiny", "--init-from", "{tmp}/empty_folder"], 1, ["--init-from", "fsdp2_pretrain.py"]),
+    "init-from another model shape": ("fsdp2_sft.py", ["--model", "small", *SFT_INIT], 1, ["--model", "'tiny'"]),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_input_files(tmp_path_factory, tiny_run):
+    tmp = tmp_path_factory.mktemp("bad")
+    (tmp / "empty_folder").mkdir()
+    (tmp / "blank.txt").write_text("  \n\n ")
+    (tmp / "latin1.txt").write_bytes("Café au lait, crème brûlée.".encode("latin-1"))
+    (tmp / "broken.jsonl").write_text(json.dumps({"text": "a good line"}) + '\n{"text": "cut short\n')
+    (tmp / "content.jsonl").write_text(json.dumps({"content": "some text"}) + "\n")
+    (tmp / "two_docs.jsonl").write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(2)))
+    (tmp / "prompt_response.jsonl").write_text(json.dumps({"prompt": "2 + 2?", "response": "4"}) + "\n")
+    turns = [{"role": "user", "content": "2 + 2?"}, {"role": "tool", "content": "4"}, {"role": "assistant", "content": "4"}]
+    (tmp / "tool_role.jsonl").write_text(json.dumps({"messages": turns}) + "\n")
+    (tmp / "no_assistant.jsonl").write_text(json.dumps({"messages": turns[:1]}) + "\n")
+    (tmp / "mixed").mkdir()
+    (tmp / "mixed" / "a.txt").write_text("some text")
+    (tmp / "mixed" / "b.jsonl").write_text(json.dumps({"text": "more text"}) + "\n")
+    shutil.copytree(tiny_run("ddp_pretrain.py")[0] / "checkpoints", tmp / "ddp" / "checkpoints")
+    shutil.copytree(tiny_run("fsdp2_pretrain.py")[0] / "checkpoints", tmp / "fsdp2" / "checkpoints")
+    shutil.copytree(tmp / "ddp", tmp / "truncated")
+    weights = tmp / "truncated" / "checkpoints" / "step_20" / "checkpoint.pt"
+    weights.write_bytes(weights.read_bytes()[:1000])  # a copy that ran out of disk
+    return tmp
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_gives_one_clear_line_and_touches_no_checkpoint(case, bad_input_files, tmp_path):
+    script, flags, nproc, words = BAD_INPUTS[case]
+    flags = [str(f).replace("{tmp}", str(bad_input_files)) for f in flags]
+    if "--out-dir" not in flags:
+        flags += ["--out-dir", tmp_path / "run"]
+    before = tree_hashes(bad_input_files)
+    result = run_script(script, *flags, "--cache-dir", tmp_path / "cache", nproc=nproc, torchrun=nproc > 1)
+    assert result.returncode in (1, 2)  # 2: argparse's own check
+    output = result.stdout + result.stderr
+    assert f'File "{REPO}' not in output  # no traceback through our code (torchrun's own report may follow)
+    assert nproc > 1 or "Traceback" not in output
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(error_lines) == 1 and all(word in error_lines[0] for word in words), result.stderr
+    assert tree_hashes(bad_input_files) == before

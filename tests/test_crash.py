@@ -1,0 +1,100 @@
+"""Crashes lose nothing. A rank SIGKILLed mid-run or mid-save (tests/crash.py) ends the whole job within seconds,
+leaves the newest complete checkpoint intact, and --resume then trains exactly the steps the uninterrupted run did.
+A loss driven to inf/NaN stops every rank before the update, so no checkpoint ever holds it."""
+import json
+import math
+import re
+import shutil
+import time
+
+import pytest
+import torch
+
+import common
+from helpers import REPO, TINY_RUN, check, read_metrics, run_script, tree_hashes
+
+CRASHES = {  # script, moment (tests/crash.py's CRASH_AT), rank killed
+    "ddp mid-run": ("ddp_pretrain.py", "step:15", 1),
+    "ddp mid-save": ("ddp_pretrain.py", "save:20", 0),  # DDP's rank 0 writes the checkpoint alone
+    "fsdp2 mid-run": ("fsdp2_pretrain.py", "step:15", 1),
+    "fsdp2 mid-save": ("fsdp2_pretrain.py", "save:20", 1),  # model/ written, optimizer/ not
+}
+
+
+@pytest.fixture(scope="module")
+def crashed(tmp_path_factory):
+    """crashed(case): (out_dir, CompletedProcess, seconds from the kill to the job's exit) of TINY_RUN with one rank
+    SIGKILLed; made once per module."""
+    runs = {}
+
+    def get(case):
+        if case not in runs:
+            script, moment, victim = CRASHES[case]
+            out = tmp_path_factory.mktemp(case.replace(" ", "_")) / "run"
+            stamp = out.parent / "killed_at"
+            result = run_script("tests/crash.py", script, *TINY_RUN, "--out-dir", out, nproc=2,
+                                env={"CRASH_AT": moment, "CRASH_RANK": str(victim), "CRASH_STAMP": str(stamp)})
+            assert stamp.exists(), f"no rank was killed\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+            runs[case] = (out, result, time.time() - float(stamp.read_text()))
+        return runs[case]
+
+    return get
+
+
+@pytest.mark.parametrize("case", ["ddp mid-run", "fsdp2 mid-run"])
+def test_killing_one_of_two_ranks_ends_the_job_with_an_error_within_60_seconds(case, crashed):
+    _, result, seconds_after_kill = crashed(case)
+    assert result.returncode != 0
+    assert seconds_after_kill < 60, f"the job took {seconds_after_kill:.0f} s to end after a rank died"
+
+
+@pytest.mark.parametrize("case", CRASHES)
+def test_a_crash_leaves_the_newest_complete_checkpoint_as_it_was(case, crashed, tiny_run):
+    out, result, _ = crashed(case)
+    script, moment, _ = CRASHES[case]
+    assert result.returncode != 0
+    assert [p.name for p in common.complete_checkpoints(out / "checkpoints")] == ["step_10"]
+    # The same flags and seed as the shared uninterrupted run: its step_10 holds the very same tensors, byte for byte
+    # (DCP's .metadata records the folder's own path, and meta.json that file's size; the rest must be equal).
+    tensor_files = lambda run: {name: digest for name, digest in tree_hashes(run / "checkpoints" / "step_10").items()
+                                if not name.endswith((".metadata", "meta.json"))}
+    assert tensor_files(out) == tensor_files(tiny_run(script)[0])
+    if moment.startswith("save"):  # it really died mid-save: the half-written folder is there, never committed
+        assert (out / "checkpoints" / ".partial_step_20").is_dir()
+
+
+@pytest.mark.parametrize("case", CRASHES)
+def test_resume_after_a_crash_trains_the_same_steps_as_the_uninterrupted_run(case, crashed, tiny_run, tmp_path):
+    crashed_dir, _, _ = crashed(case)
+    script, _, _ = CRASHES[case]
+    out = shutil.copytree(crashed_dir, tmp_path / "run")
+    result = check(run_script(script, *TINY_RUN, "--out-dir", out, "--resume", nproc=2))
+    assert "step_10 at step 10" in result.stdout
+    assert not list((out / "checkpoints").glob(".*")), "leftovers of the crashed save were not cleaned up"
+    assert [p.name for p in common.complete_checkpoints(out / "checkpoints")] == ["step_10", "step_20"]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [row["step"] for row in rows if "loss" in row]
+    assert steps == list(range(1, 21))  # the crashed run's rows after step 10 were dropped, each step logged once
+    uninterrupted, _ = read_metrics(tiny_run(script)[0])
+    resumed, _ = read_metrics(out)
+    for step in range(11, 21):
+        assert resumed[step]["loss"] == pytest.approx(uninterrupted[step]["loss"], abs=1e-6)
+        assert resumed[step]["grad_norm"] == pytest.approx(uninterrupted[step]["grad_norm"], rel=1e-5)
+
+
+@pytest.mark.parametrize("script", ["ddp_pretrain.py", "fsdp2_pretrain.py"])
+def test_a_nonfinite_loss_stops_every_rank_before_the_update_and_saves_nothing_poisoned(script, tmp_path):
+    # A learning rate of 1e30 makes the first update enormous: the next forward overflows to inf/NaN.
+    result = run_script(script, "--model", "tiny", "--lr", 1e30, "--warmup-steps", 1, "--max-steps", 6, "--save-every", 1,
+                        "--eval-every", 100, "--val-fraction", 0.002, "--dtype", "fp32", "--out-dir", tmp_path, nproc=2)
+    assert result.returncode != 0 and f'File "{REPO}' not in result.stderr  # no traceback through our code
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(error_lines) == 1 and "--lr" in error_lines[0], result.stderr
+    stopped_at = int(re.match(r"error: step (\d+): the loss is (nan|inf)", error_lines[0]).group(1))
+    assert stopped_at >= 2
+    train, _ = read_metrics(tmp_path)
+    assert sorted(train) == list(range(1, stopped_at)) and all(math.isfinite(row["loss"]) for row in train.values())
+    saved = common.complete_checkpoints(tmp_path / "checkpoints")
+    assert saved[-1].name == f"step_{stopped_at - 1}" and not list((tmp_path / "checkpoints").glob(".*"))
+    model, _ = common.load_checkpoint_model(saved[-1])
+    assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -4,6 +4,7 @@ lives in the scripts themselves, written out in full, so that `diff` between the
 """
 import argparse
 import ast
+import functools
 import hashlib
 import json
 import math
@@ -98,6 +99,7 @@ def get_parser(description, default_out_dir, stage="train"):
     add("--seed", type=int, default=1337, help="seeds the model init and the data order")
     add("--dtype", choices=["bf16", "fp32"], default=None, help="compute dtype (default: bf16 on CUDA, fp32 on CPU)")
     add("--compile", action="store_true", help="torch.compile the model (one graph per bucket length)")
+    add("--activation-checkpointing", choices=["full", "selective"], default="full", help="full: keep only each decoder layer's input and recompute the layer in backward (least memory); selective: also keep the outputs of its matmuls and attention, recompute only the element-wise ops (more memory, a third less compute)")
     add("--bucket-order", choices=["shuffled", "ascending"], default="shuffled", help="order of the batches in an epoch: shuffled, or short buckets first (the original recipe)")
     if stage == "sft":
         add("--init-from", default=None, help="checkpoint of fsdp2_pretrain.py to start from (default: the newest under runs/fsdp2_pretrain)")
@@ -137,8 +139,9 @@ def finalize_args(args):
     return args
 
 
-def build_model(preset):
-    """A Qwen2 model (model class only) with the GPT-2 vocabulary and activation checkpointing on.
+def build_model(preset, activation_checkpointing="full"):
+    """A Qwen2 model (model class only) with the GPT-2 vocabulary and activation checkpointing on, "full" or
+    "selective" (see SELECTIVE_CHECKPOINT_SAVES).
 
     Init: transformers' own Qwen2 init, normal(0, 0.02) for every matrix and zero biases, the scheme the
     released Qwen2 models use. With tied embeddings of that size the first logits are near zero, so
@@ -154,7 +157,12 @@ def build_model(preset):
     )
     model = Qwen2ForCausalLM(config)
     # Recompute each decoder layer in backward instead of storing its activations (non-reentrant).
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    checkpoint_kwargs = {"use_reentrant": False}
+    if activation_checkpointing == "selective":  # torch's selective checkpointing: a policy per op
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        checkpoint_kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, selective_checkpoint_policy)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs)
     hf_forward = model.forward
 
     def forward(input_ids=None, targets=None, **kwargs):
@@ -168,6 +176,21 @@ def build_model(preset):
 
     model.forward = forward
     return model
+
+
+# Selective checkpointing keeps the outputs of these ops (the matmuls and attention: nearly all of a layer's
+# FLOPs) and recomputes everything else (norms, rotary, SiLU, residual adds: cheap, but many activations).
+SELECTIVE_CHECKPOINT_SAVES = {
+    torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default, torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def selective_checkpoint_policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_CHECKPOINT_SAVES else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 # Rows of logits per chunk. CPU: 128 x 50,304 fp32 logits are 26 MB, under glibc's 32 MB mmap threshold, so
@@ -842,9 +865,10 @@ def generate_replies(model, prompts, max_new_tokens, temperature=0.0, top_k=None
     input_ids = torch.tensor([[EOT_ID] * (width - len(p)) + list(p) for p in prompts], device=device)
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     sampling = dict(do_sample=True, temperature=temperature, top_k=top_k) if temperature > 0 else dict(do_sample=False)
-    output = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-                            eos_token_id=[SPECIAL_TOKENS[END_OF_TURN], EOT_ID], pad_token_id=EOT_ID,
-                            use_cache=True, synced_gpus=synced, **sampling)
+    with torch.compiler.set_stance("force_eager"):  # under --compile, every generated length would be a new graph
+        output = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                                eos_token_id=[SPECIAL_TOKENS[END_OF_TURN], EOT_ID], pad_token_id=EOT_ID,
+                                use_cache=True, synced_gpus=synced, **sampling)
     replies = [row[width:].tolist() for row in output]
     return [] if drop else replies
 

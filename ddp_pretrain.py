@@ -45,10 +45,11 @@ if device.type == "cuda":
 
 # ---------------------------------------------------------------------------------------------- model
 torch.manual_seed(args.seed)  # the same init on every rank, and in every script
-model = common.build_model(args.model).to(device)
+model = common.build_model(args.model, args.activation_checkpointing).to(device)
 n_params, model_config = common.count_parameters(model), model.config
 if args.compile:
-    model.compile()  # compiles forward in place: one graph per bucket length, the state_dict keys unchanged
+    torch._dynamo.config.recompile_limit = 2 * len(args.buckets)  # one graph per bucket, training and evaluation (default 8)
+    model.compile(dynamic=False)  # in place, state_dict keys unchanged; static shapes: each bucket gets its own kernels
 
 # ---------------------------------------------------------------------------------------------- wrap
 model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -210,6 +211,6 @@ if rank == 0:
     print(f"done: {step} steps, val loss {val_loss if val_loss is None else round(val_loss, 4)}, "
           f"non-padding share {total_tokens / max(1, total_padded):.1%}, {total_tokens / elapsed:,.0f} tokens/s, {elapsed:.0f}s")
 param_elements, optimizer_elements = common.local_state_sizes(model, optimizer)
-print(f"rank {rank} holds {param_elements:,} parameter and {optimizer_elements:,} optimizer-state elements ({n_params:,} parameters in the model)")
+print(f"rank {rank} holds {param_elements:,} parameter and {optimizer_elements:,} optimizer-state elements ({n_params:,} parameters in the model), peak memory {common.peak_memory_gb(device):.2f} GB")
 dist.barrier()  # without it, a rank that exits first can abort the others' gloo teardown
 dist.destroy_process_group()

@@ -1,6 +1,7 @@
 """Launch the training scripts the way a user does (torchrun or plain python) and read what they write."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,3 +47,9 @@ def tree_hashes(folder):
     import hashlib
 
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+def traceback_through_our_code(output):
+    """Whether OUTPUT holds a traceback frame in one of the project's scripts (torchrun's own report does not,
+    nor do frames of a virtual environment that lives inside the repository)."""
+    return re.search(rf'File "{re.escape(str(REPO))}/\w+\.py"', output) is not None

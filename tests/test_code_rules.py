@@ -5,7 +5,7 @@ import pytest
 
 from helpers import REPO
 
-SOURCES = sorted(p for p in REPO.rglob("*.py") if ".venv" not in p.parts)
+SOURCES = sorted(p for p in REPO.rglob("*.py") if not any(part.startswith(".") for part in p.relative_to(REPO).parts))  # no venvs
 TRAINING_SCRIPTS = ["ddp_pretrain.py", "fsdp1_pretrain.py", "fsdp2_pretrain.py", "fsdp2_sft.py"]
 
 

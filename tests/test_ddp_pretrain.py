@@ -1,4 +1,4 @@
-"""ddp_pretrain.py end to end on CPU with gloo: init sanity, metrics, exact resume, loss normalisation."""
+"""ddp_pretrain.py end to end on CPU with gloo: init sanity, metrics, loss normalisation (exact resume: test_crash.py)."""
 import json
 import math
 import random
@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from helpers import TINY_RUN, check, copy_checkpoint, read_metrics, run_script
+from helpers import check, read_metrics, run_script
 
 
 @pytest.fixture(scope="module")
@@ -39,19 +39,6 @@ def test_run_prints_non_padding_share_of_at_least_90_percent(twenty_steps):
 
 def test_keep_last_leaves_the_newest_checkpoints(twenty_steps):
     assert sorted(p.name for p in (twenty_steps[0] / "checkpoints").iterdir()) == ["step_10", "step_20"]
-
-
-def test_resume_from_step_10_reproduces_steps_11_to_20(twenty_steps, tmp_path):
-    out, _ = twenty_steps
-    copy_checkpoint(out, 10, tmp_path)
-    check(run_script("ddp_pretrain.py", *TINY_RUN, "--out-dir", tmp_path, "--resume", nproc=2))
-    original, _ = read_metrics(out)
-    resumed, _ = read_metrics(tmp_path)
-    assert sorted(resumed) == list(range(11, 21))
-    for step in range(11, 21):
-        assert resumed[step]["loss"] == pytest.approx(original[step]["loss"], abs=1e-6)
-        assert resumed[step]["grad_norm"] == pytest.approx(original[step]["grad_norm"], rel=1e-6)
-        assert resumed[step]["bucket_len"] == original[step]["bucket_len"]
 
 
 def write_unequal_documents(path, n=40, seed=0):

@@ -79,3 +79,25 @@ def test_chunked_loss_equals_the_plain_loss_and_its_gradients():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     with torch.no_grad():  # evaluation: the loss alone, no gradient work
         torch.testing.assert_close(model(input_ids=input_ids, targets=targets), plain.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_selective_checkpointing_recomputes_no_matmul_and_gives_the_same_gradients():
+    """Full checkpointing runs each decoder layer's forward again in backward (all but its last matmul, whose output
+    backward never needs); selective keeps the matmul outputs, so it counts exactly the FLOPs of no checkpointing.
+    (FlopCounterMode counts matmuls; it has no formula for CPU attention.)"""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    input_ids, targets = torch.randint(0, 50_257, (2, 32)), torch.randint(0, 50_257, (2, 32))
+    flops, grads = {}, {}
+    for mode in ("full", "selective", "none"):
+        torch.manual_seed(0)
+        model = common.build_model("tiny", "full" if mode == "none" else mode).train()
+        for layer in model.model.layers:
+            layer.gradient_checkpointing = mode != "none"
+        with FlopCounterMode(display=False) as counter:
+            model(input_ids=input_ids, targets=targets).backward()
+        flops[mode], grads[mode] = counter.get_total_flops(), [p.grad for p in model.parameters()]
+    assert flops["selective"] == flops["none"] < flops["full"]
+    for mode in ("full", "selective"):
+        for ours, reference in zip(grads[mode], grads["none"]):
+            torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-7)

@@ -1,0 +1,151 @@
+"""What a user would run instead of our scripts, on the same model, data and machine (launched by bench.py):
+
+    torchrun --nproc_per_node=2 benchmarks/baselines.py bare    --model small --steps 40   # our batches, bare loop
+    torchrun --nproc_per_node=2 benchmarks/baselines.py trainer --model small --steps 40   # HF Trainer, run_clm style
+    torchrun --nproc_per_node=2 benchmarks/baselines.py trl --data conversations.jsonl ... # TRL SFTTrainer
+
+Each prints one line `result {json}` on rank 0: non-padding tokens and seconds over the steps after --skip.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import common  # noqa: E402
+
+parser = argparse.ArgumentParser()
+parser.add_argument("mode", choices=["bare", "trainer", "trl"])
+parser.add_argument("--model", default="small")
+parser.add_argument("--steps", type=int, default=40)
+parser.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the timing")
+parser.add_argument("--data", default="builtin")
+parser.add_argument("--buckets", default=None)
+parser.add_argument("--tokens-per-batch", type=int, default=None)
+parser.add_argument("--out-dir", default="/tmp/baselines")
+cli = parser.parse_args()
+rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+stage = "sft" if cli.mode == "trl" else "train"
+args = common.finalize_args(common.get_parser("", cli.out_dir, stage).parse_args(
+    ["--model", cli.model, "--data", cli.data, "--out-dir", cli.out_dir]
+    + (["--buckets", cli.buckets] if cli.buckets else []) + (["--tokens-per-batch", str(cli.tokens_per_batch)] if cli.tokens_per_batch else [])))
+
+
+def report(tokens, seconds, **extra):
+    """One line from rank 0; the tokens are this rank's, summed over ranks here."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        total = torch.tensor(float(tokens))
+        dist.all_reduce(total)
+        tokens = int(total.item())
+    if rank == 0:
+        print("result " + json.dumps({"mode": cli.mode, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, **extra}), flush=True)
+
+
+def hf_model():
+    """A plain Qwen2ForCausalLM of the preset's shape: transformers' own forward and loss (full logits)."""
+    torch.manual_seed(args.seed)
+    model = common.build_model(args.model)
+    del model.forward  # back to the class's forward: what Trainer and TRL call with labels=
+    return model
+
+
+if cli.mode == "bare":
+    # Our DDP batches, and nothing but forward, backward and the optimizer step: the floor our loop is measured against.
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    train, _ = common.load_pretraining_data(args, common.get_tokenizer())
+    common.init_process_group(torch.device("cpu"))
+    torch.manual_seed(args.seed)
+    model = DistributedDataParallel(common.build_model(args.model))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), fused=True)
+    schedule = common.epoch_schedule(train.lengths, args.buckets, args.tokens_per_batch, world_size, 1, args.seed, 0)
+    tokens = 0
+    for step, (bucket_len, rows) in enumerate(schedule[:cli.steps], start=1):
+        if step == cli.skip + 1:
+            dist.barrier()
+            start = time.perf_counter()
+        input_ids, targets = common.collate(train, rows[rank][0], bucket_len, common.bucket_batch_size(args.tokens_per_batch, bucket_len))
+        target_tokens = sum(train.target_counts[i] for rank_rows in rows for i in rank_rows[0])
+        (model(input_ids=input_ids, targets=targets) * world_size / target_tokens).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step > cli.skip:
+            tokens += sum(train.lengths[i] for i in rows[rank][0])
+    dist.barrier()
+    report(tokens, time.perf_counter() - start)
+    dist.destroy_process_group()
+
+else:
+    import datasets
+    from transformers import TrainerCallback
+
+    class StepClock(TrainerCallback):
+        """Time and non-padding tokens between the end of step --skip and the end of the last step."""
+
+        def __init__(self):
+            self.tokens, self.padded, self.start, self.start_tokens = 0, 0, None, 0
+
+        def on_step_end(self, training_args, state, control, **kwargs):
+            if state.global_step == cli.skip:
+                self.start, self.start_tokens = time.perf_counter(), self.tokens
+            if state.global_step == cli.steps:
+                self.seconds, self.window_tokens = time.perf_counter() - self.start, self.tokens - self.start_tokens
+
+    clock = StepClock()
+    common_args = dict(output_dir=cli.out_dir, max_steps=cli.steps, learning_rate=args.lr, warmup_steps=args.warmup_steps,
+                       lr_scheduler_type="cosine", weight_decay=args.weight_decay, adam_beta2=0.95, max_grad_norm=args.grad_clip,
+                       activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": False},
+                       use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available(), ddp_backend=None if torch.cuda.is_available() else "gloo",
+                       logging_steps=10**6, save_strategy="no", eval_strategy="no", report_to=[], dataloader_num_workers=0,
+                       seed=args.seed, disable_tqdm=True)
+
+    if cli.mode == "trainer":
+        # transformers' run_clm.py pipeline: tokenize, concatenate everything, cut into blocks of one length.
+        from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerFast, Trainer, TrainingArguments
+
+        block = args.buckets[-1]
+        texts = common.pretraining_texts(args, common.read_records(args))
+        ids = [token for tokens in common.get_tokenizer().encode_ordinary_batch(texts) for token in [*tokens, common.EOT_ID]]
+        blocks = datasets.Dataset.from_dict({"input_ids": [ids[i:i + block] for i in range(0, len(ids) - block + 1, block)]})
+
+        def collate(examples):  # the language-modeling collator: labels are the inputs (the model shifts them)
+            clock.tokens += sum(len(example["input_ids"]) for example in examples)
+            return {"input_ids": torch.tensor([example["input_ids"] for example in examples]),
+                    "labels": torch.tensor([example["input_ids"] for example in examples])}
+
+        trainer = Trainer(model=hf_model(), train_dataset=blocks, data_collator=collate, callbacks=[clock],
+                          args=TrainingArguments(per_device_train_batch_size=common.bucket_batch_size(args.tokens_per_batch, block), **common_args))
+        trainer.train()
+        report(clock.window_tokens, clock.seconds, batch_size=common.bucket_batch_size(args.tokens_per_batch, block), block=block)
+
+    else:
+        # TRL's SFTTrainer on our very conversations (token ids and assistant-only labels), one fixed batch size:
+        # as many of the longest samples as fit the token budget of our largest bucket.
+        from trl import SFTConfig, SFTTrainer
+        from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+        train, _ = common.load_sft_data(args, common.get_chat_tokenizer())
+        rows = {"input_ids": [t.tolist() for t in train.tokens], "labels": [l.tolist() for l in train.labels]}
+        batch_size = max(1, args.tokens_per_batch // max(train.lengths))
+        pad = DataCollatorForLanguageModeling(pad_token_id=common.EOT_ID)
+
+        def collate(examples):  # TRL's own collator (pads to the longest in the batch), counting real tokens
+            clock.tokens += sum(len(example["input_ids"]) for example in examples)
+            clock.padded += len(examples) * max(len(example["input_ids"]) for example in examples)
+            return pad(examples)
+
+        from export_hf import hf_tokenizer
+
+        trainer = SFTTrainer(model=hf_model(), train_dataset=datasets.Dataset.from_dict(rows), data_collator=collate, callbacks=[clock],
+                             processing_class=hf_tokenizer(),
+                             args=SFTConfig(per_device_train_batch_size=batch_size, max_length=args.buckets[-1], **common_args))
+        trainer.train()
+        report(clock.window_tokens, clock.seconds, batch_size=batch_size, longest=max(train.lengths),
+               non_padding=clock.tokens / clock.padded)  # this rank's, over the whole run

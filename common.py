@@ -98,7 +98,7 @@ def get_parser(description, default_out_dir, stage="train"):
     add("--resume", nargs="?", const="latest", default=None, help="continue from the newest complete checkpoint in --out-dir, or from the checkpoint folder given")
     add("--seed", type=int, default=1337, help="seeds the model init and the data order")
     add("--dtype", choices=["bf16", "fp32"], default=None, help="compute dtype (default: bf16 on CUDA, fp32 on CPU)")
-    add("--compile", action="store_true", help="torch.compile the model (one graph per bucket length)")
+    add("--compile", action="store_true", help="torch.compile each decoder layer with static shapes: all layers share one graph per bucket length for training and one for evaluation")
     add("--activation-checkpointing", choices=["full", "selective"], default="full", help="full: keep only each decoder layer's input and recompute the layer in backward (least memory); selective: also keep the outputs of its matmuls and attention, recompute only the element-wise ops (more memory; no matmul runs twice, about a quarter less compute)")
     add("--bucket-order", choices=["shuffled", "ascending"], default="shuffled", help="order of the batches in an epoch: shuffled, or short buckets first (the original recipe)")
     if stage == "sft":
@@ -163,6 +163,9 @@ def build_model(preset, activation_checkpointing="full"):
 
         checkpoint_kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, selective_checkpoint_policy)
     model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs)
+    # transformers also hooks the embedding to make its output require grad, even under no_grad: only reentrant
+    # checkpointing needs that, and under --compile it would cost every bucket a third graph (evaluation, first layer).
+    model.disable_input_require_grads()
     hf_forward = model.forward
 
     def forward(input_ids=None, targets=None, **kwargs):
@@ -231,10 +234,10 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         return grad_hidden * grad_loss, grad_weight * grad_loss, None
 
 
-@torch.compiler.disable  # data-dependent shapes (which positions are targets) and a Python loop: runs eagerly
 def chunked_cross_entropy(hidden, weight, targets):
     """Sum of -log p(target) over the positions whose target is not IGNORE_INDEX. Logits are made only at
-    those positions (padding, and prompts in SFT, cost nothing in the head) and a chunk at a time."""
+    those positions (padding, and prompts in SFT, cost nothing in the head) and a chunk at a time. Always eager:
+    --compile compiles the decoder layers only, and this has data-dependent shapes (which positions are targets)."""
     is_target = targets != IGNORE_INDEX
     return ChunkedCrossEntropy.apply(hidden[is_target], weight, targets[is_target])
 

@@ -49,7 +49,8 @@ model = common.build_model(args.model, args.activation_checkpointing).to(device)
 n_params, model_config = common.count_parameters(model), model.config
 if args.compile:
     torch._dynamo.config.recompile_limit = 2 * len(args.buckets)  # one graph per bucket, training and evaluation (default 8)
-    model.compile(dynamic=False)  # in place, state_dict keys unchanged; static shapes: each bucket gets its own kernels
+    for layer in model.model.layers:  # regional: the layers share their graphs (compiled once), hooks stay outside them
+        layer.compile(dynamic=False)  # in place, state_dict keys unchanged; static shapes: each bucket gets its own kernels
 
 # ---------------------------------------------------------------------------------------------- wrap
 model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)

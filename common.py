@@ -4,6 +4,7 @@ lives in the scripts themselves, written out in full, so that `diff` between the
 """
 import argparse
 import ast
+import contextlib
 import functools
 import hashlib
 import json
@@ -533,11 +534,23 @@ def flops_per_token(n_params, config, seq_len):
     return 6 * n_params + 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_len
 
 
+def reset_peak_memory(device):
+    """Start a new peak for peak_memory_gb: each step's row then shows that step's (and so its bucket's) peak."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    elif os.path.exists("/proc/self/clear_refs"):
+        with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as clear_refs:  # a sandbox may forbid it
+            clear_refs.write("5")  # Linux: the peak resident set size (VmHWM) restarts from the current one
+
+
 def peak_memory_gb(device):
-    """Peak memory since the last reset: CUDA allocator peak, or on CPU the process's peak RSS."""
+    """Peak memory since the last reset: CUDA allocator peak, or on CPU the process's peak resident set size."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
+    if os.path.exists("/proc/self/status"):  # Linux: VmHWM honours the reset above, getrusage's ru_maxrss does not
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) * 1024 / 1e9  # in KiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e9  # elsewhere (macOS): bytes, peak of the whole run
 
 
 def open_metrics(path, resumed_step=None):

@@ -176,7 +176,7 @@ def log(row):
 
 peak_flops = common.device_peak_flops(device)
 schedule = make_schedule(train.lengths, data_position["epoch"], args.grad_accum, args.bucket_order)
-start_time, total_tokens, total_padded = time.perf_counter(), 0, 0
+start_time, total_tokens, total_padded, run_peak_mem_gb = time.perf_counter(), 0, 0, 0.0
 val_loss, val_accuracy = evaluate() if step == 0 else (None, None)
 if step == 0:
     log({"step": 0, "val_loss": val_loss, "val_accuracy": val_accuracy})
@@ -191,8 +191,7 @@ while step < args.max_steps:
     step_samples = [i for rank_rows in rows for micro_rows in rank_rows for i in micro_rows]
     tokens = sum(train.lengths[i] for i in step_samples)
     target_tokens = sum(train.target_counts[i] for i in step_samples)  # positions with a loss, all ranks
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    common.reset_peak_memory(device)  # each row's peak is its own step's, so per bucket
     step_start = time.perf_counter()
 
     loss_sum = torch.zeros((), device=device)
@@ -220,6 +219,8 @@ while step < args.max_steps:
     step += 1
 
     step_time = time.perf_counter() - step_start
+    step_peak_mem_gb = common.peak_memory_gb(device)
+    run_peak_mem_gb = max(run_peak_mem_gb, step_peak_mem_gb)
     padded_tokens = world_size * args.grad_accum * batch_size * bucket_len
     total_tokens, total_padded = total_tokens + tokens, total_padded + padded_tokens
     if step % args.log_every == 0 or step == args.max_steps:
@@ -228,7 +229,7 @@ while step < args.max_steps:
              "padded_tokens": padded_tokens, "target_tokens": target_tokens, "bucket_len": bucket_len,
              "batch_size": batch_size, "tokens_per_s": tokens / step_time,
              "mfu": flops / step_time / (peak_flops * world_size) if peak_flops else None,
-             "peak_mem_gb": common.peak_memory_gb(device), "elapsed_s": time.perf_counter() - start_time})
+             "peak_mem_gb": step_peak_mem_gb, "elapsed_s": time.perf_counter() - start_time})
     if step % args.eval_every == 0 or step == args.max_steps:
         val_loss, val_accuracy = evaluate()
         log({"step": step, "val_loss": val_loss, "val_accuracy": val_accuracy})
@@ -247,6 +248,6 @@ if rank == 0:
     print(f"done: {step} steps, val loss {val_loss if val_loss is None else round(val_loss, 4)}, answer accuracy {val_accuracy}, "
           f"non-padding share {total_tokens / max(1, total_padded):.1%}, {total_tokens / elapsed:,.0f} tokens/s, {elapsed:.0f}s")
 param_elements, optimizer_elements = common.local_state_sizes(model, optimizer)
-print(f"rank {rank} holds {param_elements:,} parameter and {optimizer_elements:,} optimizer-state elements ({n_params:,} parameters in the model), peak memory {common.peak_memory_gb(device):.2f} GB")
+print(f"rank {rank} holds {param_elements:,} parameter and {optimizer_elements:,} optimizer-state elements ({n_params:,} parameters in the model), peak memory in training {run_peak_mem_gb:.2f} GB")
 dist.barrier()  # without it, a rank that exits first can abort the others' gloo teardown
 dist.destroy_process_group()

@@ -32,6 +32,23 @@ def test_every_step_is_logged_with_consistent_token_counts(twenty_steps):
     assert val[20] < val[0] - 1.0  # it learns
 
 
+def test_peak_memory_restarts_at_each_reset_so_every_row_has_its_own_steps_peak():
+    import torch
+
+    import common
+
+    cpu = torch.device("cpu")
+    common.reset_peak_memory(cpu)
+    before = common.peak_memory_gb(cpu)
+    touched = torch.ones(100_000_000)  # 0.4 GB, written so that it is resident
+    del touched
+    with_tensor = common.peak_memory_gb(cpu)
+    common.reset_peak_memory(cpu)
+    after_reset = common.peak_memory_gb(cpu)
+    assert with_tensor - before > 0.35
+    assert after_reset < with_tensor - 0.35  # on CPU too, not only for CUDA's allocator
+
+
 def test_run_prints_non_padding_share_of_at_least_90_percent(twenty_steps):
     share = float(re.search(r"non-padding share ([\d.]+)%", twenty_steps[1].stdout).group(1))
     assert share >= 90.0

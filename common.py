@@ -41,6 +41,10 @@ def _report_usage_error(exc_type, exc, tb, _default_hook=sys.excepthook):
 
 
 sys.excepthook = _report_usage_error
+# Each bucket allocates activations of another shape: expandable segments let the CUDA allocator grow one mapping
+# instead of caching blocks of every size, so memory does not fragment as buckets alternate. A user's setting wins.
+if "PYTORCH_ALLOC_CONF" not in os.environ and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+    os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"  # read when CUDA first allocates, after this import
 # FSDP1's DCP path calls a c10d helper that torch itself deprecated; the warning is torch's, not ours to act on.
 warnings.filterwarnings("ignore", message=".*_get_pg_default_device.*|Multiple backends are registered.*|torch.distributed is disabled.*")
 

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
@@ -27,6 +28,7 @@ parser.add_argument("--data", default="builtin")
 parser.add_argument("--buckets", default=None)
 parser.add_argument("--tokens-per-batch", type=int, default=None)
 parser.add_argument("--out-dir", default="/tmp/baselines")
+parser.add_argument("--compile", action="store_true", help="bare loop: compile the decoder layers as our scripts do")
 cli = parser.parse_args()
 rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 stage = "sft" if cli.mode == "trl" else "train"
@@ -35,16 +37,15 @@ args = common.finalize_args(common.get_parser("", cli.out_dir, stage).parse_args
     + (["--buckets", cli.buckets] if cli.buckets else []) + (["--tokens-per-batch", str(cli.tokens_per_batch)] if cli.tokens_per_batch else [])))
 
 
-def report(tokens, seconds, **extra):
-    """One line from rank 0; the tokens are this rank's, summed over ranks here."""
-    import torch.distributed as dist
-
+def report(tokens, padded_tokens, seconds, **extra):
+    """One line from rank 0; the (non-padding and padded) tokens are this rank's, summed over ranks here."""
+    totals = torch.tensor([float(tokens), float(padded_tokens)])
     if dist.is_initialized():
-        total = torch.tensor(float(tokens))
-        dist.all_reduce(total)
-        tokens = int(total.item())
+        dist.all_reduce(totals)
+    tokens, padded_tokens = int(totals[0]), int(totals[1])
     if rank == 0:
-        print("result " + json.dumps({"mode": cli.mode, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, **extra}), flush=True)
+        print("result " + json.dumps({"mode": cli.mode, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+                                      "non_padding": tokens / padded_tokens, **extra}), flush=True)
 
 
 def hf_model():
@@ -57,30 +58,42 @@ def hf_model():
 
 if cli.mode == "bare":
     # Our DDP batches, and nothing but forward, backward and the optimizer step: the floor our loop is measured against.
-    import torch.distributed as dist
+    # The same device, precision and compilation as ddp_pretrain.py.
     from torch.nn.parallel import DistributedDataParallel
 
     train, _ = common.load_pretraining_data(args, common.get_tokenizer())
-    common.init_process_group(torch.device("cpu"))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    common.init_process_group(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     torch.manual_seed(args.seed)
-    model = DistributedDataParallel(common.build_model(args.model))
+    model = common.build_model(args.model).to(device)
+    if cli.compile:
+        torch._dynamo.config.recompile_limit = 2 * len(args.buckets)
+        for layer in model.model.layers:
+            layer.compile(dynamic=False)
+    model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    forward = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")(model.forward)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), fused=True)
     schedule = common.epoch_schedule(train.lengths, args.buckets, args.tokens_per_batch, world_size, 1, args.seed, 0)
-    tokens = 0
+    tokens, padded_tokens, step_ends = 0, 0, []
     for step, (bucket_len, rows) in enumerate(schedule[:cli.steps], start=1):
         if step == cli.skip + 1:
             dist.barrier()
-            start = time.perf_counter()
-        input_ids, targets = common.collate(train, rows[rank][0], bucket_len, common.bucket_batch_size(args.tokens_per_batch, bucket_len))
+            step_ends.append(time.perf_counter())
+        batch_size = common.bucket_batch_size(args.tokens_per_batch, bucket_len)
+        input_ids, targets = common.collate(train, rows[rank][0], bucket_len, batch_size)
         target_tokens = sum(train.target_counts[i] for rank_rows in rows for i in rank_rows[0])
-        (model(input_ids=input_ids, targets=targets) * world_size / target_tokens).backward()
+        (forward(input_ids=input_ids.to(device), targets=targets.to(device)) * world_size / target_tokens).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if step > cli.skip:
-            tokens += sum(train.lengths[i] for i in rows[rank][0])
+            tokens, padded_tokens = tokens + sum(train.lengths[i] for i in rows[rank][0]), padded_tokens + batch_size * bucket_len
+            if device.type == "cuda":
+                torch.cuda.synchronize()  # the step's kernels are done (ours waits for the loss every step too)
+            step_ends.append(time.perf_counter())
     dist.barrier()
-    report(tokens, time.perf_counter() - start)
-    dist.destroy_process_group()
+    report(tokens, padded_tokens, step_ends[-1] - step_ends[0], step_seconds=[b - a for a, b in zip(step_ends, step_ends[1:])])  # per step, as ours
 
 else:
     import datasets
@@ -90,13 +103,14 @@ else:
         """Time and non-padding tokens between the end of step --skip and the end of the last step."""
 
         def __init__(self):
-            self.tokens, self.padded, self.start, self.start_tokens = 0, 0, None, 0
+            self.tokens, self.padded, self.start, self.start_tokens, self.start_padded = 0, 0, None, 0, 0
 
         def on_step_end(self, training_args, state, control, **kwargs):
             if state.global_step == cli.skip:
-                self.start, self.start_tokens = time.perf_counter(), self.tokens
+                self.start, self.start_tokens, self.start_padded = time.perf_counter(), self.tokens, self.padded
             if state.global_step == cli.steps:
                 self.seconds, self.window_tokens = time.perf_counter() - self.start, self.tokens - self.start_tokens
+                self.window_padded = self.padded - self.start_padded
 
     clock = StepClock()
     common_args = dict(output_dir=cli.out_dir, max_steps=cli.steps, learning_rate=args.lr, warmup_steps=args.warmup_steps,
@@ -116,14 +130,15 @@ else:
         blocks = datasets.Dataset.from_dict({"input_ids": [ids[i:i + block] for i in range(0, len(ids) - block + 1, block)]})
 
         def collate(examples):  # the language-modeling collator: labels are the inputs (the model shifts them)
-            clock.tokens += sum(len(example["input_ids"]) for example in examples)
+            block_tokens = sum(len(example["input_ids"]) for example in examples)
+            clock.tokens, clock.padded = clock.tokens + block_tokens, clock.padded + block_tokens  # blocks of one length: no padding
             return {"input_ids": torch.tensor([example["input_ids"] for example in examples]),
                     "labels": torch.tensor([example["input_ids"] for example in examples])}
 
         trainer = Trainer(model=hf_model(), train_dataset=blocks, data_collator=collate, callbacks=[clock],
                           args=TrainingArguments(per_device_train_batch_size=common.bucket_batch_size(args.tokens_per_batch, block), **common_args))
         trainer.train()
-        report(clock.window_tokens, clock.seconds, batch_size=common.bucket_batch_size(args.tokens_per_batch, block), block=block)
+        report(clock.window_tokens, clock.window_padded, clock.seconds, batch_size=common.bucket_batch_size(args.tokens_per_batch, block), block=block)
 
     else:
         # TRL's SFTTrainer on our very conversations (token ids and assistant-only labels), one fixed batch size:
@@ -147,5 +162,10 @@ else:
                              processing_class=hf_tokenizer(),
                              args=SFTConfig(per_device_train_batch_size=batch_size, max_length=args.buckets[-1], **common_args))
         trainer.train()
-        report(clock.window_tokens, clock.seconds, batch_size=batch_size, longest=max(train.lengths),
-               non_padding=clock.tokens / clock.padded)  # this rank's, over the whole run
+        report(clock.window_tokens, clock.window_padded, clock.seconds, batch_size=batch_size, longest=max(train.lengths))
+
+# Leave as our scripts do (Trainer and TRL set the group up and leave it): without a barrier before the teardown,
+# gloo aborts about 2 exits in 5 ("terminate called without an active exception").
+if dist.is_initialized():
+    dist.barrier()
+    dist.destroy_process_group()

@@ -53,7 +53,7 @@ model = common.build_model(args.model, args.activation_checkpointing)
 n_params, model_config = common.count_parameters(model), model.config
 if args.compile:
     torch._dynamo.config.recompile_limit = 2 * len(args.buckets)  # one graph per bucket, training and evaluation (default 8)
-    for layer in model.model.layers:  # regional: the layers share their graphs (compiled once), hooks stay outside them
+    for layer in model.model.layers:  # regional: all layers share each bucket's graph; the wrappers' hooks stay outside
         layer.compile(dynamic=False)  # in place, state_dict keys unchanged; static shapes: each bucket gets its own kernels
 
 # ---------------------------------------------------------------------------------------------- wrap

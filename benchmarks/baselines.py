@@ -39,10 +39,10 @@ args = common.finalize_args(common.get_parser("", cli.out_dir, stage).parse_args
 
 def report(tokens, padded_tokens, seconds, **extra):
     """One line from rank 0; the (non-padding and padded) tokens are this rank's, summed over ranks here."""
-    totals = torch.tensor([float(tokens), float(padded_tokens)])
+    totals = torch.tensor([float(tokens), float(padded_tokens)], device="cuda" if torch.cuda.is_available() else "cpu")  # NCCL: on the GPU
     if dist.is_initialized():
         dist.all_reduce(totals)
-    tokens, padded_tokens = int(totals[0]), int(totals[1])
+    tokens, padded_tokens = map(int, totals.tolist())
     if rank == 0:
         print("result " + json.dumps({"mode": cli.mode, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
                                       "non_padding": tokens / padded_tokens, **extra}), flush=True)
@@ -68,14 +68,16 @@ if cli.mode == "bare":
         torch.cuda.set_device(device)
     torch.manual_seed(args.seed)
     model = common.build_model(args.model).to(device)
-    if cli.compile:
+    if cli.compile:  # as the scripts compile: each layer, static shapes, one graph per bucket for training
         torch._dynamo.config.recompile_limit = 2 * len(args.buckets)
         for layer in model.model.layers:
             layer.compile(dynamic=False)
     model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    forward = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")(model.forward)
+    model.forward = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")(model.forward)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), fused=True)
     schedule = common.epoch_schedule(train.lengths, args.buckets, args.tokens_per_batch, world_size, 1, args.seed, 0)
+    if len(schedule) < cli.steps:  # ours would go on into epoch 1: the step times would no longer pair up
+        sys.exit(f"--steps {cli.steps} is more than the {len(schedule)} steps of one epoch")
     tokens, padded_tokens, step_ends = 0, 0, []
     for step, (bucket_len, rows) in enumerate(schedule[:cli.steps], start=1):
         if step == cli.skip + 1:
@@ -84,7 +86,7 @@ if cli.mode == "bare":
         batch_size = common.bucket_batch_size(args.tokens_per_batch, bucket_len)
         input_ids, targets = common.collate(train, rows[rank][0], bucket_len, batch_size)
         target_tokens = sum(train.target_counts[i] for rank_rows in rows for i in rank_rows[0])
-        (forward(input_ids=input_ids.to(device), targets=targets.to(device)) * world_size / target_tokens).backward()
+        (model(input_ids=input_ids.to(device), targets=targets.to(device)) * world_size / target_tokens).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if step > cli.skip:

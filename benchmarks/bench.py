@@ -37,7 +37,7 @@ parser.add_argument("--tokens-per-batch", type=int, default=None, help="pretrain
 parser.add_argument("--sft-buckets", default="80,96,112,128,160,192,256,320,384,448,512")
 parser.add_argument("--sft-tokens-per-batch", type=int, default=1024)
 parser.add_argument("--compile", action="store_true", help="pass --compile to our scripts")
-parser.add_argument("--output", default=None, help="JSON results (default: benchmarks/results-<date>-<device>.json)")
+parser.add_argument("--output", default=None, help="JSON results (default: benchmarks/results-<date>T<time>-<model>-<ranks>ranks.json)")
 cli = parser.parse_args()
 work = Path(tempfile.mkdtemp(prefix="bench-"))
 env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -53,7 +53,8 @@ def torchrun(*command):
 
 
 def ours(script, *flags, run_name=None):
-    """Run one of our scripts; useful tokens/s, MFU, padding share and peak memory from its metrics, steps > --skip."""
+    """Run one of our scripts; useful tokens/s, MFU, padding share, peak memory and each step's time from its metrics,
+    steps > --skip."""
     out = work / (run_name or script.removesuffix(".py"))
     stdout = torchrun(script, "--model", cli.model, "--max-steps", cli.steps, "--eval-every", 10**6, "--save-every", 10**6,
                       "--out-dir", out, *(["--compile"] if cli.compile else []), *flags)
@@ -106,7 +107,8 @@ def device_name():
     return f"CPU ({platform.machine()}, {os.cpu_count()} cores), torch {torch.__version__}"
 
 
-results = {"date": datetime.date.today().isoformat(), "device": device_name(),
+started = datetime.datetime.now()
+results = {"date": started.date().isoformat(), "device": device_name(),
            "command": " ".join(sys.argv), "nproc": cli.nproc, "model": cli.model, "steps": cli.steps, "skip": cli.skip}
 results["ddp_pretrain.py"] = ours("ddp_pretrain.py", *pretrain_flags)
 results["bare loop"] = baseline("bare", *[str(f) for f in pretrain_flags])  # right after DDP: the same batches, the same conditions
@@ -146,6 +148,6 @@ print(f"\nour DDP loop's overhead over the bare loop on the same batches: {resul
       f"{', '.join(f'{r:+.1%}' for r in results['overhead']['total_time_ratios'])}) (target: at most 5%)")
 print(f"DDP / HF Trainer: {results['ddp_pretrain.py']['tokens_per_s'] / results['HF Trainer']['tokens_per_s']:.2f}x (target: at least 1.0x)")
 print(f"SFT / TRL fixed batch: {results['fsdp2_sft.py']['tokens_per_s'] / results['TRL SFTTrainer']['tokens_per_s']:.2f}x (target: at least 1.3x on CPU)")
-output = Path(cli.output or REPO / "benchmarks" / f"results-{results['date']}-{cli.model}-{cli.nproc}ranks.json")
+output = Path(cli.output or REPO / "benchmarks" / f"results-{started:%Y-%m-%dT%H%M}-{cli.model}-{cli.nproc}ranks.json")  # a later run keeps this one
 output.write_text(json.dumps(results, indent=2))
 print(f"written: {output}")

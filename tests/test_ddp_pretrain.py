@@ -32,7 +32,7 @@ def test_every_step_is_logged_with_consistent_token_counts(twenty_steps):
     assert val[20] < val[0] - 1.0  # it learns
 
 
-def test_peak_memory_restarts_at_each_reset_so_every_row_has_its_own_steps_peak():
+def test_cpu_peak_memory_restarts_at_each_reset():
     import torch
 
     import common

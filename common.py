@@ -559,6 +559,12 @@ def peak_memory_gb(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e9  # elsewhere (macOS): bytes, peak of the whole run
 
 
+def peak_reserved_memory_gb(device):
+    """Peak memory the CUDA allocator held since the last reset: peak_memory_gb plus its cache and fragmentation, what
+    runs out first and what expandable_segments lowers. None on CPU, where peak_memory_gb already counts what is held."""
+    return torch.cuda.max_memory_reserved(device) / 1e9 if device.type == "cuda" else None
+
+
 def open_metrics(path, resumed_step=None):
     """metrics.jsonl, opened for appending rows. On resume, rows after the checkpoint's step (written by the
     run that crashed after it, and about to be trained again) are dropped first, so every step appears once."""
@@ -666,6 +672,8 @@ def find_resume_checkpoint(args, checkpoint_root, script):
     newer = [p for p in existing if int(p.name[5:]) > meta["step"]]
     if newer:  # saving on from here would collide with them
         raise UsageError(f"--resume {checkpoint_dir}: {checkpoint_root} already holds newer checkpoints ({newer[-1].name}): move them away or use another --out-dir")
+    if meta["step"] >= args.max_steps:  # else the run would end at once, its summary all zeros
+        raise UsageError(f"--max-steps {args.max_steps}: --resume {checkpoint_dir} is at step {meta['step']} already, nothing to train: raise --max-steps")
     return checkpoint_dir
 
 

@@ -194,7 +194,8 @@ while step < args.max_steps:
              "padded_tokens": padded_tokens, "target_tokens": target_tokens, "bucket_len": bucket_len,
              "batch_size": batch_size, "tokens_per_s": tokens / step_time,
              "mfu": flops / step_time / (peak_flops * world_size) if peak_flops else None,
-             "peak_mem_gb": step_peak_mem_gb, "elapsed_s": time.perf_counter() - start_time})
+             "peak_mem_gb": step_peak_mem_gb, "peak_reserved_gb": common.peak_reserved_memory_gb(device),
+             "elapsed_s": time.perf_counter() - start_time})
     if step % args.eval_every == 0 or step == args.max_steps:
         val_loss = evaluate()
         log({"step": step, "val_loss": val_loss})

@@ -33,6 +33,7 @@ BAD_INPUTS = {  # case: (script, flags, ranks, words the error line must hold: t
     "resume an older checkpoint beside newer ones": ("ddp_pretrain.py", ["--model", "tiny", "--out-dir", "{tmp}/ddp", "--resume", "{tmp}/ddp/checkpoints/step_10"], 1, ["--resume", "newer checkpoints"]),
     "resume with another model shape": ("ddp_pretrain.py", ["--model", "small", "--out-dir", "{tmp}/ddp", "--resume"], 1, ["--model", "'tiny'"]),
     "resume another strategy's checkpoint": ("fsdp2_pretrain.py", ["--model", "tiny", "--resume", "{tmp}/ddp/checkpoints/step_20"], 1, ["--resume", "ddp_pretrain.py"]),
+    "resume a run that reached --max-steps": ("ddp_pretrain.py", ["--model", "tiny", "--out-dir", "{tmp}/ddp", "--resume"], 1, ["--max-steps 20", "step 20 already"]),
     "resume from a truncated checkpoint file": ("ddp_pretrain.py", ["--model", "tiny", "--resume", "{tmp}/truncated/checkpoints/step_20"], 1, ["--resume", "damaged"]),
     "init-from a DDP checkpoint": ("fsdp2_sft.py", ["--model", "tiny", "--init-from", "{tmp}/ddp"], 1, ["--init-from", "ddp_pretrain.py"]),
     "init-from a folder with no checkpoint": ("fsdp2_sft.py", ["--model", "tiny", "--init-from", "{tmp}/empty_folder"], 1, ["--init-from", "fsdp2_pretrain.py"]),

@@ -28,6 +28,7 @@ def test_every_step_is_logged_with_consistent_token_counts(twenty_steps):
         assert row["padded_tokens"] == 2 * row["batch_size"] * row["bucket_len"]  # 2 ranks, no accumulation
         assert row["target_tokens"] < row["tokens"] <= row["padded_tokens"]
         assert row["tokens_per_s"] > 0 and row["peak_mem_gb"] > 0 and row["mfu"] is None  # no peak FLOPs for CPUs
+        assert row["peak_reserved_gb"] is None  # no caching allocator on CPU: its peak_mem_gb is what is held
     assert train[1]["lr"] < train[5]["lr"]  # warming up
     assert val[20] < val[0] - 1.0  # it learns
 

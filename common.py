@@ -29,6 +29,19 @@ class UsageError(Exception):
     """Bad input from the user: reported as one line that names the flag to change, never a traceback."""
 
 
+def error_reason(error):
+    """One line saying what went wrong, for an error message: the first line of the innermost cause (a library's
+    wrapper says less than what it wraps), or its type's name when it has no message. A report must never raise
+    itself: an empty message once made it an IndexError."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    try:
+        lines = str(error).strip().splitlines()
+    except Exception:  # a broken __str__ still gets reported, by its type
+        lines = []
+    return f"{type(error).__name__}: {lines[0][:200]}" if lines else type(error).__name__
+
+
 def _report_usage_error(exc_type, exc, tb, _default_hook=sys.excepthook):
     # Every rank reaches the same UsageError (all validate the same input before any collective),
     # so rank 0 alone prints it and the others leave quietly; the exit code is 1 either way.
@@ -317,6 +330,7 @@ def load_records(data, data_config=None, max_docs=None):
     import datasets
 
     datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own "Failed to read ..." lines would precede our one error line
     if _looks_local(data):
         path = Path(data).expanduser()
         if not path.exists():
@@ -324,6 +338,8 @@ def load_records(data, data_config=None, max_docs=None):
         files = _data_files(path)
         if not files:
             raise UsageError(f"--data {data} holds no {'/'.join(DATA_SUFFIXES)} files")
+        if all(f.stat().st_size == 0 for f in files):  # else datasets fails on them with an empty StopIteration
+            raise UsageError(f"--data {data} {'is an empty file' if path.is_file() else 'holds only empty files'}: point it at a file with data")
         suffixes = {f.suffix for f in files}
         if len(suffixes) > 1:
             raise UsageError(f"--data {data} mixes file types ({', '.join(sorted(suffixes))}): point it at one kind")
@@ -332,7 +348,7 @@ def load_records(data, data_config=None, max_docs=None):
         try:
             dataset = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", **kwargs)
         except Exception as error:  # datasets wraps parse errors in several types; report them as input errors
-            raise UsageError(f"--data {data} could not be read ({type(error).__name__}: {str(error).splitlines()[0][:200]})") from None
+            raise UsageError(f"--data {data} could not be read ({error_reason(error)})") from None
         return list(dataset)
     try:  # a hub dataset, streamed so that only the documents we take are downloaded
         dataset = datasets.load_dataset(data, data_config, split="train", streaming=True)
@@ -495,12 +511,13 @@ def collate(split, sample_ids, bucket_len, batch_size, pad_id=EOT_ID):
 # ----------------------------------------------------------------------------------------------
 # LR schedule: linear warmup, then cosine decay to a floor.
 
-def lr_lambda(step, warmup_steps, max_steps, min_lr_ratio):
-    """Multiplier of the peak LR at `step` (for torch.optim.lr_scheduler.LambdaLR)."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
-    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+def learning_rate(step, args):
+    """The LR of optimizer step `step` (0-based), from the flags alone: no scheduler state is saved, so a resumed
+    run with another --lr, --warmup-steps, --min-lr-ratio or --max-steps follows the new schedule at once."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    progress = min(1.0, (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps))
+    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -622,11 +639,15 @@ def hf_preset(path):
 
 
 def hf_state_dict(path):
-    """Whole tensors of an exported folder, named as in the model; the tied head is stored once, so it is added back."""
+    """Whole tensors of an exported folder, named as in the model; the tied head is stored once, so it is added back.
+    The Llama form's o_proj biases (export_hf.py) are zeros that our Qwen2 layers do not have: dropped, if zero."""
     from safetensors.torch import load_file
 
     state = load_file(Path(path) / "model.safetensors")
     state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
+    for name in [name for name in state if name.endswith("o_proj.bias")]:
+        if state.pop(name).any():
+            raise UsageError(f"{path}: {name} is not zero, so a Qwen2 model cannot hold these weights: load it with transformers instead")
     return state
 
 
@@ -635,8 +656,11 @@ def read_meta(checkpoint_dir, flag):
     the preset its shape matches), or a usage error naming `flag`."""
     if is_hf_folder(checkpoint_dir):
         export = Path(checkpoint_dir) / "export.json"
-        meta = json.loads(export.read_text()) if export.is_file() else {"script": "hf", "step": None, "data": None}
-        return {**meta, "model": hf_preset(checkpoint_dir), "hf": True}
+        try:
+            meta = json.loads(export.read_text()) if export.is_file() else {"script": "hf", "step": None, "data": None}
+            return {**meta, "model": hf_preset(checkpoint_dir), "hf": True}
+        except (OSError, ValueError) as error:
+            raise UsageError(f"{flag} {checkpoint_dir}: its config.json or export.json cannot be read ({error_reason(error)})") from None
     try:
         meta = json.loads((Path(checkpoint_dir) / "meta.json").read_text())
     except (OSError, ValueError):
@@ -674,7 +698,14 @@ def find_resume_checkpoint(args, checkpoint_root, script):
         raise UsageError(f"--resume {checkpoint_dir}: {checkpoint_root} already holds newer checkpoints ({newer[-1].name}): move them away or use another --out-dir")
     if meta["step"] >= args.max_steps:  # else the run would end at once, its summary all zeros
         raise UsageError(f"--max-steps {args.max_steps}: --resume {checkpoint_dir} is at step {meta['step']} already, nothing to train: raise --max-steps")
+    changed = [f"--{flag.replace('_', '-')} {getattr(args, flag)} (was {value})"
+               for flag, value in meta.get("schedule", {}).items() if getattr(args, flag) != value]
+    if changed and int(os.environ.get("RANK", 0)) == 0:  # said once; every rank applies them alike
+        print(f"changed against the checkpoint: {', '.join(changed)}; this run's values apply from step {meta['step'] + 1}", flush=True)
     return checkpoint_dir
+
+
+SCHEDULE_FLAGS = ("lr", "warmup_steps", "min_lr_ratio", "max_steps", "weight_decay", "grad_clip")  # read afresh on resume
 
 
 def commit_checkpoint(partial_dir, args, script, step, world_size):
@@ -688,6 +719,7 @@ def commit_checkpoint(partial_dir, args, script, step, world_size):
     files = {str(f.relative_to(partial_dir)): f.stat().st_size for f in sorted(partial_dir.rglob("*")) if f.is_file()}
     meta = {"script": script, "model": args.model, "model_config": MODEL_PRESETS[args.model]["model"],
             "vocab_size": VOCAB_SIZE, "step": step, "world_size": world_size, "data": args.data,
+            "schedule": {flag: getattr(args, flag) for flag in SCHEDULE_FLAGS},  # what a resume may change, and is told it did
             "files": files}  # every file's size: a truncated or missing file is caught before anything loads
     (partial_dir / "meta.json").write_text(json.dumps(meta, indent=2))
     os.replace(partial_dir, partial_dir.parent / f"step_{step}")
@@ -958,6 +990,5 @@ def load_checkpoint_model(checkpoint_dir, device="cpu"):
             dcp.load(state, checkpoint_id=Path(checkpoint_dir) / "model")
         model.load_state_dict(state)
     except Exception as exc:  # a truncated or foreign file: say which checkpoint, in one line
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UsageError(f"checkpoint {checkpoint_dir} cannot be read ({reason}): it is damaged or not of these scripts") from None
+        raise UsageError(f"checkpoint {checkpoint_dir} cannot be read ({error_reason(exc)}): it is damaged or not of these scripts") from None
     return model.to(device), meta

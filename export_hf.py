@@ -8,11 +8,20 @@ CHECKPOINT is a checkpoint folder (runs/X/checkpoints/step_N) or a run's --out-d
 OUT_DIR gets config.json, model.safetensors, generation_config.json and the tokenizer files (GPT-2 BPE plus
 the SFT markers at ids 50,257 and up, and a chat template that renders the SFT format). The checkpoint is
 only read; OUT_DIR must not exist yet (or be empty), and appears only once complete.
+
+The folder says LlamaForCausalLM, not Qwen2ForCausalLM. Our Qwen2 decoder is Llama's with biases on q, k and v:
+Llama's attention_bias=True adds them, and an o_proj bias of zeros, so the logits are the same numbers. We do it
+for the tokenizer: transformers 5 loads Qwen2Tokenizer for any folder whose config says qwen2, whatever
+tokenizer_config.json names (MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS), and that one splits digits apart, so
+AutoTokenizer, pipelines, vLLM and lm-eval would feed the model ids it never saw. For llama it honours our
+GPT2Tokenizer.
 """
 import argparse
 import json
 import shutil
 from pathlib import Path
+
+import torch
 
 import common
 
@@ -37,6 +46,28 @@ def hf_tokenizer():
     return tokenizer
 
 
+def llama_model(model):
+    """The same weights as a LlamaForCausalLM: Qwen2's shapes, rotary base, norm eps and tied embeddings, biases on
+    q/k/v (attention_bias=True also gives o_proj one: zeros, which change nothing)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    qwen2 = model.config
+    config = LlamaConfig(
+        vocab_size=qwen2.vocab_size, hidden_size=qwen2.hidden_size, intermediate_size=qwen2.intermediate_size,
+        num_hidden_layers=qwen2.num_hidden_layers, num_attention_heads=qwen2.num_attention_heads,
+        num_key_value_heads=qwen2.num_key_value_heads, hidden_act=qwen2.hidden_act, rms_norm_eps=qwen2.rms_norm_eps,
+        max_position_embeddings=qwen2.max_position_embeddings, rope_parameters=qwen2.rope_parameters,
+        tie_word_embeddings=True, attention_bias=True, mlp_bias=False, tokenizer_class="GPT2Tokenizer",
+        bos_token_id=common.EOT_ID, eos_token_id=common.EOT_ID, pad_token_id=common.EOT_ID, use_cache=True,
+    )
+    state = model.state_dict()
+    for layer in range(qwen2.num_hidden_layers):
+        state[f"model.layers.{layer}.self_attn.o_proj.bias"] = torch.zeros(qwen2.hidden_size)
+    llama = LlamaForCausalLM(config)
+    llama.load_state_dict(state)  # strict: every tensor has its place, and every place a tensor
+    return llama
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="a checkpoint folder, or a run folder (its newest checkpoint is used)")
@@ -48,9 +79,8 @@ if __name__ == "__main__":
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise common.UsageError(f"{out_dir} already exists and is not empty: choose a new OUT_DIR (export never overwrites)")
     model, meta = common.load_checkpoint_model(checkpoint_dir)
-    model.config.use_cache = True  # training switched the KV cache off; generation wants it back
-    model.config.architectures = ["Qwen2ForCausalLM"]
-    model.generation_config.pad_token_id, model.generation_config.use_cache = common.EOT_ID, True
+    model = llama_model(model)
+    model.generation_config.pad_token_id = common.EOT_ID
     if meta["script"] == "fsdp2_sft":  # a chat model ends its reply with <|end_of_turn|>
         model.generation_config.eos_token_id = [common.SPECIAL_TOKENS[common.END_OF_TURN], common.EOT_ID]
 
@@ -58,7 +88,9 @@ if __name__ == "__main__":
     shutil.rmtree(partial_dir, ignore_errors=True)
     model.save_pretrained(partial_dir)  # config.json, generation_config.json, model.safetensors (tied head stored once)
     hf_tokenizer().save_pretrained(partial_dir)
-    (partial_dir / "export.json").write_text(json.dumps({"checkpoint": str(checkpoint_dir), **meta}, indent=2))
+    why = "Qwen2 weights as Llama with attention_bias=True and zero o_proj biases (same logits), so that AutoTokenizer keeps GPT2Tokenizer"
+    (partial_dir / "export.json").write_text(json.dumps({"checkpoint": str(checkpoint_dir), "architecture": "LlamaForCausalLM",
+                                                         "why": why, **meta}, indent=2))
     if out_dir.exists():
         out_dir.rmdir()  # empty, checked above
     partial_dir.rename(out_dir)

@@ -74,8 +74,6 @@ decay = [p for name, p in model.named_parameters() if not (name.endswith("bias")
 no_decay = [p for name, p in model.named_parameters() if name.endswith("bias") or "norm" in name]
 optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
                               lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
-scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
-    common.lr_lambda, warmup_steps=args.warmup_steps, max_steps=args.max_steps, min_lr_ratio=args.min_lr_ratio))
 
 
 # ---------------------------------------------------------------------------------------------- checkpoint
@@ -87,12 +85,11 @@ class AppState(Stateful):
 
     def state_dict(self):
         model_state, optimizer_state = get_state_dict(model, optimizer)  # sharded: each rank gives only its shards
-        return {"model": model_state, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
-                "step": self.step, "data_position": self.data_position, "rng": torch.get_rng_state()}
+        return {"model": model_state, "optimizer": optimizer_state, "step": self.step, "data_position": self.data_position,
+                "rng": torch.get_rng_state()}
 
     def load_state_dict(self, state):
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])  # one copy was saved: every rank seeds alike and there is no dropout
         self.step, self.data_position = state["step"], state["data_position"]
 
@@ -121,6 +118,7 @@ def load_checkpoint(checkpoint_dir):
 step, data_position = 0, {"epoch": 0, "index": 0}
 if resume_dir is not None:
     step, data_position = load_checkpoint(resume_dir)
+    optimizer.param_groups[0]["weight_decay"] = args.weight_decay  # the load restored the checkpoint's; this run's flag wins
     if rank == 0:
         print(f"resumed from {resume_dir} at step {step}")
 
@@ -204,9 +202,10 @@ while step < args.max_steps:
     dist.all_reduce(loss_sum)  # for the log and the check: the gradients were already exact
     loss = loss_sum.item() / target_tokens
     common.stop_if_nonfinite(step + 1, loss, grad_norm.item())  # global values: every rank stops here alike, before the update
-    lr = scheduler.get_last_lr()[0]
+    lr = common.learning_rate(step, args)  # from the step and this run's flags (nanoGPT's way): a resume follows a new --lr
+    for group in optimizer.param_groups:
+        group["lr"] = lr
     optimizer.step()
-    scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     step += 1
 

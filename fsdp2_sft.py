@@ -3,7 +3,6 @@
     torchrun --standalone --nproc_per_node=2 fsdp2_sft.py                     # default: after fsdp2_pretrain.py, builtin set
     torchrun --standalone --nproc_per_node=8 fsdp2_sft.py --model qwen2-0.5b --data open-thoughts/OpenThoughts-114k --init-from runs/fsdp2_pretrain
 """
-import functools
 import json
 import os
 import shutil
@@ -86,8 +85,6 @@ decay = [p for name, p in model.named_parameters() if not (name.endswith("bias")
 no_decay = [p for name, p in model.named_parameters() if name.endswith("bias") or "norm" in name]
 optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
                               lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
-scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
-    common.lr_lambda, warmup_steps=args.warmup_steps, max_steps=args.max_steps, min_lr_ratio=args.min_lr_ratio))
 
 
 # ---------------------------------------------------------------------------------------------- checkpoint
@@ -97,8 +94,8 @@ def save_checkpoint(step, data_position):
     if rank == 0:
         shutil.rmtree(partial_dir, ignore_errors=True)
         partial_dir.mkdir(parents=True)
-        torch.save({"scheduler": scheduler.state_dict(), "step": step, "data_position": data_position,
-                    "rng": torch.get_rng_state()}, partial_dir / "train_state.pt")  # one copy: ranks seed alike
+        torch.save({"step": step, "data_position": data_position, "rng": torch.get_rng_state()},
+                   partial_dir / "train_state.pt")  # one copy: ranks seed alike
     dist.barrier()  # the folder exists before anyone writes into it
     dcp.save(get_model_state_dict(model), checkpoint_id=partial_dir / "model")  # DTensor shards, named as in the model
     dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=partial_dir / "optimizer")  # keyed by name too
@@ -116,7 +113,6 @@ def load_checkpoint(checkpoint_dir):
     set_model_state_dict(model, model_state)
     set_optimizer_state_dict(model, optimizer, optimizer_state)
     train_state = torch.load(checkpoint_dir / "train_state.pt", map_location="cpu", weights_only=True)
-    scheduler.load_state_dict(train_state["scheduler"])
     torch.set_rng_state(train_state["rng"])
     return train_state["step"], train_state["data_position"]
 
@@ -125,6 +121,7 @@ def load_checkpoint(checkpoint_dir):
 step, data_position = 0, {"epoch": 0, "index": 0}
 if resume_dir is not None:
     step, data_position = load_checkpoint(resume_dir)
+    optimizer.param_groups[0]["weight_decay"] = args.weight_decay  # the load restored the checkpoint's; this run's flag wins
     if rank == 0:
         print(f"resumed from {resume_dir} at step {step}")
 
@@ -212,9 +209,10 @@ while step < args.max_steps:
     dist.all_reduce(loss_sum)  # for the log and the check: the gradients were already exact
     loss = loss_sum.item() / target_tokens
     common.stop_if_nonfinite(step + 1, loss, grad_norm.item())  # global values: every rank stops here alike, before the update
-    lr = scheduler.get_last_lr()[0]
+    lr = common.learning_rate(step, args)  # from the step and this run's flags (nanoGPT's way): a resume follows a new --lr
+    for group in optimizer.param_groups:
+        group["lr"] = lr
     optimizer.step()
-    scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     step += 1
 

@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -5,6 +6,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common.py
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # helpers.py
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no test reaches the network; transformers reads this on import
 
 from helpers import TINY_RUN, check, run_script  # noqa: E402
 

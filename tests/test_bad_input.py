@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 
+import common
 from helpers import run_script, traceback_through_our_code, tree_hashes
 
 SFT_INIT = ["--init-from", "{tmp}/fsdp2"]  # a valid pretrained checkpoint, so the SFT gets as far as its data
@@ -16,6 +17,8 @@ BAD_INPUTS = {  # case: (script, flags, ranks, words the error line must hold: t
     "data folder mixing file kinds": ("ddp_pretrain.py", ["--data", "{tmp}/mixed"], 1, ["--data", "mixes file types"]),
     "jsonl with a broken line": ("ddp_pretrain.py", ["--data", "{tmp}/broken.jsonl"], 1, ["--data", "could not be read"]),
     "only blank documents": ("ddp_pretrain.py", ["--data", "{tmp}/blank.txt"], 1, ["--data", "holds no documents"]),
+    "empty data file": ("ddp_pretrain.py", ["--data", "{tmp}/empty.jsonl"], 1, ["--data", "is an empty file"]),
+    "SFT file that is not what its suffix says": ("fsdp2_sft.py", ["--model", "tiny", *SFT_INIT, "--data", "{tmp}/text.parquet"], 1, ["--data", "could not be read"]),
     "no such text column": ("ddp_pretrain.py", ["--data", "{tmp}/content.jsonl"], 1, ["--text-field", "content"]),
     "more ranks than samples": ("ddp_pretrain.py", ["--model", "tiny", "--data", "{tmp}/two_docs.jsonl"], 2, ["--data", "fewer than the 2 ranks"]),
     "SFT rows in neither schema": ("fsdp2_sft.py", ["--model", "tiny", *SFT_INIT, "--data", "{tmp}/prompt_response.jsonl"], 1, ["--data", "neither"]),
@@ -46,6 +49,8 @@ def bad_input_files(tmp_path_factory, tiny_run):
     tmp = tmp_path_factory.mktemp("bad")
     (tmp / "empty_folder").mkdir()
     (tmp / "blank.txt").write_text("  \n\n ")
+    (tmp / "empty.jsonl").write_bytes(b"")
+    (tmp / "text.parquet").write_text("plain text, not parquet\n")
     (tmp / "latin1.txt").write_bytes("Café au lait, crème brûlée.".encode("latin-1"))
     (tmp / "broken.jsonl").write_text(json.dumps({"text": "a good line"}) + '\n{"text": "cut short\n')
     (tmp / "content.jsonl").write_text(json.dumps({"content": "some text"}) + "\n")
@@ -80,3 +85,36 @@ def test_bad_input_gives_one_clear_line_and_touches_no_checkpoint(case, bad_inpu
     error_lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(error_lines) == 1 and all(word in error_lines[0] for word in words), result.stderr
     assert tree_hashes(bad_input_files) == before
+
+
+def empty_and_foreign_files(tmp):
+    """{name: path}: an empty file of each suffix, a folder of empty files, files that are not what their suffix says."""
+    tmp.mkdir()
+    paths = {f"empty{suffix}": tmp / f"empty{suffix}" for suffix in common.DATA_SUFFIXES}
+    for path in paths.values():
+        path.write_bytes(b"")
+    paths["folder of empty files"] = tmp / "empties"
+    paths["folder of empty files"].mkdir()
+    for name in ("a.jsonl", "b.jsonl"):
+        (paths["folder of empty files"] / name).write_bytes(b"")
+    paths["text in a .parquet"] = tmp / "text.parquet"
+    paths["text in a .parquet"].write_text("plain text, not parquet\n")
+    paths["binary in a .json"] = tmp / "binary.json"
+    paths["binary in a .json"].write_bytes(bytes(range(256)) * 4)
+    return paths
+
+
+@pytest.mark.parametrize("stage", ["train", "sft"])
+def test_empty_or_foreign_data_files_are_one_error_line_and_write_nothing(stage, tmp_path):
+    """In process, for speed: the loader raises one UsageError line naming --data (the table above shows the
+    scripts print such a line once, with no traceback); the cache gets nothing."""
+    load = common.load_pretraining_data if stage == "train" else common.load_sft_data
+    tokenizer = common.get_tokenizer() if stage == "train" else common.get_chat_tokenizer()
+    for name, path in empty_and_foreign_files(tmp_path / "data").items():
+        parser = common.get_parser("", str(tmp_path / "run"), stage=stage)
+        args = common.finalize_args(parser.parse_args(["--model", "tiny", "--data", str(path), "--cache-dir", str(tmp_path / "cache")]))
+        with pytest.raises(common.UsageError) as error:
+            load(args, tokenizer)
+        message = str(error.value)
+        assert message.startswith(f"--data {path}") and "\n" not in message and len(message) < 400, (name, message)
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "run").exists()

@@ -110,7 +110,8 @@ def test_train_and_validation_splits_are_disjoint_and_fixed():
 
 
 def test_lr_warms_up_linearly_then_decays_by_cosine_to_the_floor():
-    lr = lambda step: common.lr_lambda(step, warmup_steps=10, max_steps=110, min_lr_ratio=0.1)
+    flags = argparse.Namespace(lr=1.0, warmup_steps=10, max_steps=110, min_lr_ratio=0.1)
+    lr = lambda step: common.learning_rate(step, flags)
     assert [round(lr(s), 6) for s in (0, 4, 9)] == [0.1, 0.5, 1.0]
     assert lr(10) == pytest.approx(1.0)
     assert lr(60) == pytest.approx(0.55)  # halfway through the cosine: the mean of peak and floor

@@ -1,4 +1,5 @@
 """ddp_pretrain.py end to end on CPU with gloo: init sanity, metrics, loss normalisation (exact resume: test_crash.py)."""
+import argparse
 import json
 import math
 import random
@@ -6,7 +7,8 @@ import re
 
 import pytest
 
-from helpers import check, read_metrics, run_script
+import common
+from helpers import TINY_RUN, check, copy_checkpoint, read_metrics, run_script
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +38,6 @@ def test_every_step_is_logged_with_consistent_token_counts(twenty_steps):
 def test_cpu_peak_memory_restarts_at_each_reset():
     import torch
 
-    import common
-
     cpu = torch.device("cpu")
     common.reset_peak_memory(cpu)
     before = common.peak_memory_gb(cpu)
@@ -57,6 +57,17 @@ def test_run_prints_non_padding_share_of_at_least_90_percent(twenty_steps):
 
 def test_keep_last_leaves_the_newest_checkpoints(twenty_steps):
     assert sorted(p.name for p in (twenty_steps[0] / "checkpoints").iterdir()) == ["step_10", "step_20"]
+
+
+def test_resume_follows_a_new_lr_and_says_what_changed(twenty_steps, tmp_path):
+    """A user lowers --lr after a spike and resumes: the first resumed step already uses the new schedule."""
+    resumed_dir = copy_checkpoint(twenty_steps[0], 10, tmp_path / "resumed")
+    result = check(run_script("ddp_pretrain.py", *TINY_RUN, "--lr", 1e-3, "--max-steps", 12, "--out-dir", resumed_dir, "--resume", nproc=2))
+    assert "changed against the checkpoint: --lr 0.001 (was 0.003), --max-steps 12 (was 20)" in result.stdout
+    resumed, original = read_metrics(resumed_dir)[0], read_metrics(twenty_steps[0])[0]
+    flags = argparse.Namespace(lr=1e-3, warmup_steps=5, max_steps=12, min_lr_ratio=0.1)
+    assert resumed[11]["lr"] == pytest.approx(common.learning_rate(10, flags), rel=1e-12)
+    assert resumed[11]["lr"] < original[11]["lr"] / 2  # not the checkpoint's 3e-3 schedule
 
 
 def write_unequal_documents(path, n=40, seed=0):

@@ -2,14 +2,16 @@
 that computes, tokenizes and generates exactly as the checkpoint does; the checkpoint is never touched."""
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common
 from helpers import check, read_metrics, run_script, tree_hashes
 
 SCRIPTS = ["ddp_pretrain.py", "fsdp1_pretrain.py", "fsdp2_pretrain.py", "fsdp2_sft.py"]
-STRINGS = ["Hello world", "  two  spaces, tabs\tand\nnewlines ", "naïve café 東京 🙂", "x = [i ** 2 for i in range(10)]",
-           "<|begin_of_thought|>\n\nFirst, 6 + 2 = 8<|end_of_thought|>", "<|user|>hi<|end_of_turn|><|assistant|>", "<|endoftext|>"]
+STRINGS = ["Hello world, it's 2026!", "  two  spaces, tabs\tand\nnewlines\n\n", "naïve café Ærøskøbing 東京 🙂", "1234567 + 89 = 1234656",
+           "def f(x):\n    return [i ** 2 for i in range(10)]  # code\n", "<|begin_of_thought|>\n\nFirst, 6 + 2 = 8<|end_of_thought|>",
+           "<|user|>hi<|end_of_turn|><|assistant|>", "<|begin_of_solution|>The answer is 7.<|end_of_solution|><|endoftext|>"]
 
 
 def export(checkpoint, out_dir):
@@ -36,34 +38,39 @@ def test_exported_model_computes_the_same_logits(exported, script):
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= {p.name for p in out_dir.iterdir()}
     trained, _ = common.load_checkpoint_model(checkpoint_dir)
     hf_model = AutoModelForCausalLM.from_pretrained(out_dir, local_files_only=True).eval()
-    assert type(hf_model).__name__ == "Qwen2ForCausalLM"
+    assert type(hf_model).__name__ == "LlamaForCausalLM"  # Qwen2's layers with o_proj biases of zero (export_hf.py says why)
     input_ids = torch.randint(0, common.EOT_ID + 1 + len(common.SPECIAL_TOKENS), (3, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(hf_model(input_ids=input_ids).logits, trained(input_ids=input_ids).logits, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_exported_tokenizer_gives_the_training_ids(exported, script):
-    # AutoTokenizer loads offline, but transformers 5 maps model_type qwen2 to Qwen2Tokenizer, which rebuilds
-    # Qwen's own pre-tokenizer and ignores tokenizer.json's GPT-2 one; the generic class reads the file as is.
-    assert AutoTokenizer.from_pretrained(exported[script][1], local_files_only=True).convert_tokens_to_ids("<|end_of_turn|>") == 50260
-    hf_tokenizer = PreTrainedTokenizerFast.from_pretrained(exported[script][1], local_files_only=True)
+def test_autotokenizer_on_the_export_gives_the_training_ids(exported, script):
+    hf_tokenizer = AutoTokenizer.from_pretrained(exported[script][1], local_files_only=True)  # what pipelines, vLLM, lm-eval call
     tokenizer = common.get_chat_tokenizer()
     for text in STRINGS:
         assert hf_tokenizer(text, add_special_tokens=False)["input_ids"] == tokenizer.encode(text, allowed_special="all"), text
         assert hf_tokenizer.decode(tokenizer.encode(text, allowed_special="all")) == text
+    assert [hf_tokenizer.convert_tokens_to_ids(marker) for marker in common.SPECIAL_TOKENS] == list(common.SPECIAL_TOKENS.values())
 
 
-def test_transformers_generate_on_the_export_matches_generate_py(exported):
+def held_out_question():
+    """A built-in problem of the SFT's validation split (the tiny run's --val-fraction), never trained on."""
+    records = common.builtin_reasoning_records()
+    _, val_ids = common.split_train_val(list(range(len(records))), 0.002)
+    return records[val_ids[0]]["conversations"][0]["value"]
+
+
+def test_pipeline_on_the_export_answers_as_generate_py_does(exported):
     checkpoint_dir, out_dir, _ = exported["fsdp2_sft.py"]
-    question = "Compute 4 + 3 - 2 + 1."
-    printed = check(run_script("generate.py", checkpoint_dir, "--chat", "--prompt", question, "--max-new-tokens", 20, torchrun=False)).stdout
-    hf_tokenizer = PreTrainedTokenizerFast.from_pretrained(out_dir, local_files_only=True)
-    hf_model = AutoModelForCausalLM.from_pretrained(out_dir, local_files_only=True).eval()
+    question = held_out_question()
+    printed = check(run_script("generate.py", checkpoint_dir, "--chat", "--prompt", question, "--max-new-tokens", 24, torchrun=False)).stdout
+    chat = transformers.pipeline("text-generation", model=str(out_dir), device="cpu")
     messages = [{"role": "system", "content": common.BUILTIN_SYSTEM_PROMPT}, {"role": "user", "content": question}]
-    prompt = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
-    output = hf_model.generate(prompt, max_new_tokens=20, do_sample=False)  # eos: <|end_of_turn|>, from generation_config.json
-    assert printed == hf_tokenizer.decode(output[0, prompt.shape[1]:], skip_special_tokens=False).removesuffix("<|end_of_turn|>") + "\n"
+    output = chat(messages, max_new_tokens=24, do_sample=False, skip_special_tokens=False)  # keep the reasoning markers
+    reply = output[0]["generated_text"][-1]
+    assert reply["role"] == "assistant"
+    assert printed == reply["content"].removesuffix("<|end_of_turn|>") + "\n"  # generation stopped at the end of the turn alike
 
 
 def test_export_refuses_a_partial_checkpoint_and_a_used_out_dir(exported, tmp_path):

@@ -86,18 +86,25 @@ MODEL_PRESETS = {
 }
 
 
+def add_data_arguments(add):
+    """--data and how to read it: the same flags in the training scripts and in prepare_data.py."""
+    add("--data", default="builtin", help="a folder written by prepare_data.py, 'builtin' (CPython's own documentation, no network), "
+                                          "a Hugging Face hub dataset name, or a local .txt/.jsonl/.json/.parquet file or folder")
+    add("--data-config", default=None, help="hub dataset configuration, e.g. sample-10BT for HuggingFaceFW/fineweb-edu")
+    add("--text-field", default="text", help="column that holds the text in .jsonl/.json/.parquet/hub data")
+    add("--max-docs", type=int, default=100_000, help="documents taken from a hub dataset, streamed (0: all); local files and builtin are read whole")
+
+
 def get_parser(description, default_out_dir, stage="train"):
     """One parser for every script, so a flag means the same thing everywhere. stage: "train" or "sft"."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.set_defaults(stage=stage)  # picks the preset's pretraining or SFT defaults
     add = parser.add_argument
     add("--model", default="small", help=f"model preset, one of: {', '.join(MODEL_PRESETS)}")
-    add("--data", default="builtin", help="'builtin' (CPython's own documentation, no network), a Hugging Face hub dataset name, or a local .txt/.jsonl/.json/.parquet file or folder")
-    add("--data-config", default=None, help="hub dataset configuration, e.g. sample-10BT for HuggingFaceFW/fineweb-edu")
-    add("--text-field", default="text", help="column that holds the text in .jsonl/.json/.parquet/hub data")
-    add("--max-docs", type=int, default=100_000, help="documents taken from a hub dataset (streamed); local files and builtin are read whole")
-    add("--val-fraction", type=float, default=0.05, help="share of the samples held out for validation (at most 500 samples)")
-    add("--cache-dir", default=os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "llm-reference"), help="where tokenized data is cached")
+    add_data_arguments(add)
+    add("--val-fraction", type=float, default=0.05, help="share of the documents held out for validation (at most 500 documents)")
+    add("--cache-dir", default=os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "llm-reference"),
+        help="where --data that is not a prepared folder is prepared (tokenized) once, as prepare_data.py would")
     add("--buckets", default=None, help="comma-separated bucket max lengths in tokens (preset default)")
     add("--tokens-per-batch", type=int, default=None, help="tokens per micro-batch per rank; a bucket's batch size is this // its length (preset default)")
     add("--grad-accum", type=int, default=1, help="micro-batches per optimizer step on each rank")
@@ -290,167 +297,121 @@ def get_tokenizer():
 
 
 # ----------------------------------------------------------------------------------------------
-# Data: documents -> token ids (cached) -> samples no longer than the largest bucket.
+# Data: a folder prepared by prepare_data.py (token ids of every document, one after another, in one uint16
+# file), memory-mapped; samples and schedules are flat numpy arrays over it, never a Python object per sample.
 
-def builtin_documents():
-    """Real English prose that ships with every CPython: the interpreter's help topics (pydoc_data)
-    and the longer docstrings of the standard library, one document per module."""
-    import pydoc_data.topics
-
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    documents = [pydoc_data.topics.topics[name] for name in sorted(pydoc_data.topics.topics)]
-    for path in sorted(stdlib.rglob("*.py")):
-        parts = path.relative_to(stdlib).parts
-        if parts[0] in ("site-packages", "test", "idlelib", "lib2to3", "tkinter") or "tests" in parts:
-            continue
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        docstrings = [ast.get_docstring(node) for node in ast.walk(tree)
-                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
-        docstrings = [doc for doc in docstrings if doc and len(doc) >= 200]  # short ones are mostly boilerplate
-        if docstrings:
-            documents.append("\n\n".join(docstrings))
-    return documents
+PREPARED_FORMAT, PREPARED_VERSION = "llm-reference-tokens", 1
 
 
-def _data_files(path):
-    if path.is_file():
-        return [path]
-    return sorted(p for p in path.rglob("*") if p.suffix in DATA_SUFFIXES and p.is_file())
+def tokenizer_identity(tokenizer):
+    """What a prepared folder's ids depend on: the encoding's name, its BPE files and its special tokens."""
+    return {"name": tokenizer.name, "vocab_bpe_sha256": GPT2_VOCAB_BPE_SHA256, "encoder_json_sha256": GPT2_ENCODER_JSON_SHA256,
+            "special_tokens": dict(sorted(tokenizer._special_tokens.items(), key=lambda item: item[1]))}
 
 
-def _looks_local(data):
-    return os.path.exists(data) or data.startswith((".", "/", "~")) or data.endswith(DATA_SUFFIXES)
+def prepared_folder(args, tokenizer, kind):
+    """The prepared folder of --data: the folder itself if prepare_data.py wrote it, else one in --cache-dir named by
+    the source, prepared once per machine by local rank 0 while the other ranks wait for it to appear (polling, not
+    a collective, which could time out during a long preparation; if rank 0 fails, torchrun stops them)."""
+    import time
+
+    import prepare_data
+
+    data = Path(args.data).expanduser()
+    if (data / "tokens.bin").is_file():  # written by prepare_data.py (complete or not: open_prepared tells)
+        return data
+    source = prepare_data.source_identity(args, kind)  # checks local paths: a bad one fails here, on every rank
+    key = hashlib.sha256(json.dumps([tokenizer_identity(tokenizer), source], sort_keys=True).encode()).hexdigest()[:24]
+    folder = Path(args.cache_dir) / f"{kind}-{tokenizer.name}-{key}"
+    if not (folder / "meta.json").is_file():
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            prepare_data.prepare(args, kind, folder, workers=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+        while not (folder / "meta.json").is_file():
+            time.sleep(0.2)
+    return folder
 
 
-def load_records(data, data_config=None, max_docs=None):
-    """Rows (dicts) of a local file or folder, or of a hub dataset, through `datasets`."""
-    import datasets
-
-    datasets.disable_progress_bars()
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own "Failed to read ..." lines would precede our one error line
-    if _looks_local(data):
-        path = Path(data).expanduser()
-        if not path.exists():
-            raise UsageError(f"--data {data} does not exist: pass an existing file or folder, a hub dataset name, or 'builtin'")
-        files = _data_files(path)
-        if not files:
-            raise UsageError(f"--data {data} holds no {'/'.join(DATA_SUFFIXES)} files")
-        if all(f.stat().st_size == 0 for f in files):  # else datasets fails on them with an empty StopIteration
-            raise UsageError(f"--data {data} {'is an empty file' if path.is_file() else 'holds only empty files'}: point it at a file with data")
-        suffixes = {f.suffix for f in files}
-        if len(suffixes) > 1:
-            raise UsageError(f"--data {data} mixes file types ({', '.join(sorted(suffixes))}): point it at one kind")
-        builder = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}[files[0].suffix]
-        kwargs = {"sample_by": "document"} if builder == "text" else {}  # a .txt file is one document
-        try:
-            dataset = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", **kwargs)
-        except Exception as error:  # datasets wraps parse errors in several types; report them as input errors
-            raise UsageError(f"--data {data} could not be read ({error_reason(error)})") from None
-        return list(dataset)
-    try:  # a hub dataset, streamed so that only the documents we take are downloaded
-        dataset = datasets.load_dataset(data, data_config, split="train", streaming=True)
-        return list(dataset.take(max_docs)) if max_docs else list(dataset)
-    except Exception as error:
-        raise UsageError(f"--data {data} could not be loaded from the Hugging Face hub ({type(error).__name__}): check the name, --data-config and the network") from None
+class Corpus(NamedTuple):
+    """A prepared folder, memory-mapped: document i is tokens[offsets[i]:offsets[i + 1]]; mask (SFT) marks targets."""
+    tokens: np.ndarray
+    offsets: np.ndarray
+    mask: np.ndarray | None
+    content_sha256: str  # names the data in checkpoints: a resume on other data is refused
 
 
-def _cache_key(*parts):
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
+def open_prepared(folder, tokenizer, kind):
+    """Memory-map a prepared folder, after checking it is complete and made by this format and tokenizer."""
+    try:
+        meta = json.loads((Path(folder) / "meta.json").read_text())
+        format_found = (meta.get("format"), meta.get("version"))
+    except (OSError, ValueError, AttributeError):
+        raise UsageError(f"--data {folder} is not a complete prepared folder (no readable meta.json: its preparation was "
+                         f"interrupted?): run prepare_data.py again into a new --out-dir") from None
+    if format_found != (PREPARED_FORMAT, PREPARED_VERSION):
+        raise UsageError(f"--data {folder} was prepared in format {format_found}, these scripts read {(PREPARED_FORMAT, PREPARED_VERSION)}: "
+                         f"prepare it again with this prepare_data.py")
+    if meta["tokenizer"] != tokenizer_identity(tokenizer):
+        raise UsageError(f"--data {folder} was tokenized with another tokenizer ({meta['tokenizer'].get('name')}, other BPE files or "
+                         f"markers): prepare it again with this prepare_data.py")
+    if meta["kind"] != kind:
+        raise UsageError(f"--data {folder} holds {meta['kind']} data, this script trains on {kind} data: "
+                         f"prepare_data.py{' --sft' if kind == 'sft' else ''} writes that kind")
+    for name, file in meta["files"].items():
+        if not (Path(folder) / name).is_file() or (Path(folder) / name).stat().st_size != file["bytes"]:
+            raise UsageError(f"--data {folder} is damaged: {name} is not the {file['bytes']} bytes written: prepare it again")
+    tokens = np.memmap(Path(folder) / "tokens.bin", dtype=np.uint16, mode="r")
+    mask = np.memmap(Path(folder) / "loss_mask.bin", dtype=np.uint8, mode="r") if kind == "sft" else None
+    return Corpus(tokens, np.load(Path(folder) / "doc_offsets.npy", mmap_mode="r"), mask, meta["content_sha256"])
 
 
-def _source_identity(data):
-    if data == "builtin":
-        return ["builtin", sys.version]  # the text comes from this very interpreter
-    if _looks_local(data) and Path(data).expanduser().exists():
-        return [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in _data_files(Path(data).expanduser())]
-    return data
-
-
-def cached_arrays(args, kind, build):
-    """Per-sample integer arrays (token ids, labels) made once by `build()` and then read from --cache-dir.
-
-    `build()` returns {name: list of 1-D arrays}, the lists aligned; `kind` names what build does (and with
-    which tokenizer) in the cache key. Every rank runs this alike, with no collective: a rank never waits
-    on another's tokenization, and bad input fails on every rank before training starts.
-    """
-    key = _cache_key(kind, _source_identity(args.data), args.data_config, args.text_field, args.max_docs)
-    cache_file = Path(args.cache_dir) / f"{kind}-{key}.npz"
-    if not cache_file.exists():
-        arrays = build()
-        offsets = np.cumsum([0] + [len(a) for a in next(iter(arrays.values()))])
-        packed = {name: np.concatenate(lists).astype(np.uint16 if name == "tokens" else np.int32)  # ids < 65,536
-                  for name, lists in arrays.items()}
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        partial = cache_file.with_name(f"{cache_file.stem}.{os.getpid()}.tmp.npz")
-        np.savez(partial, offsets=offsets, **packed)
-        os.replace(partial, cache_file)  # atomic: a reader never sees half a cache file
-    with np.load(cache_file) as cached:
-        return {name: np.split(cached[name].astype(np.int32), cached["offsets"][1:-1]) for name in cached.files if name != "offsets"}
-
-
-def read_records(args):
-    return builtin_documents() if args.data == "builtin" else load_records(args.data, args.data_config, args.max_docs)
-
-
-def pretraining_texts(args, records):
-    """The text of every document, checked: an empty result or a missing --text-field is a usage error."""
-    if args.data == "builtin":
-        texts = records
-    else:
-        if records and args.text_field not in records[0]:
-            raise UsageError(f"--data {args.data} has no column '{args.text_field}' (columns: {', '.join(records[0])}): set --text-field")
-        texts = [row[args.text_field] for row in records if isinstance(row[args.text_field], str)]
-    texts = [text for text in texts if text.strip()]
-    if not texts:
-        raise UsageError(f"--data {args.data} holds no documents: check the path, --data-config and --text-field")
-    return texts
-
-
-def chunk_document(tokens, max_len):
-    """Split a document (with its end-of-text token) into samples of at most max_len tokens.
-
-    Neighbouring chunks overlap by one token, so every token but the first is a target exactly once.
-    """
-    if len(tokens) <= max_len:
-        return [tokens]
-    stride = max_len - 1
-    return [tokens[start:start + max_len] for start in range(0, len(tokens) - 1, stride)]
+def validation_documents(n_documents, val_fraction, seed=0):
+    """A fixed held-out set of documents, the same whatever the training seed: at most 500 of them. Whole
+    documents, so that no chunk of a held-out document is ever trained on."""
+    if n_documents < 2:
+        raise UsageError("the data holds fewer than 2 documents: one is needed for training and one for validation; use more --data")
+    n_val = min(max(1, round(n_documents * val_fraction)), 500)
+    return np.sort(np.random.default_rng(seed).permutation(n_documents)[:n_val])
 
 
 class Split(NamedTuple):
-    """The samples of one split. labels[i] is tokens[i] where that token is a target, IGNORE_INDEX where it
-    carries no loss (pretraining: every token is a target, so labels are the tokens themselves)."""
-    tokens: list
-    labels: list
-    lengths: list  # tokens per sample
-    target_counts: list  # positions with a loss per sample: a sample's first token is never predicted
+    """The samples of one split, as flat arrays over the memory-mapped corpus: sample i is
+    tokens[starts[i]:starts[i] + lengths[i]]; target_counts[i] of its positions carry a loss."""
+    tokens: np.ndarray
+    mask: np.ndarray | None  # SFT: 1 where a token is a target; pretraining: None, every token but a sample's first
+    starts: np.ndarray
+    lengths: np.ndarray
+    target_counts: np.ndarray
+    content_sha256: str
 
 
-def make_split(tokens, labels):
-    return Split(tokens, labels, [len(t) for t in tokens], [int((l[1:] != IGNORE_INDEX).sum()) for l in labels])
+def sample_tokens(split, i):
+    return np.asarray(split.tokens[split.starts[i]:split.starts[i] + split.lengths[i]], dtype=np.int64)
 
 
-def split_train_val(samples, val_fraction, seed=0):
-    """A fixed held-out set: the same samples whatever the training seed, at most 500 of them."""
-    if len(samples) < 2:
-        raise UsageError("the data holds fewer than 2 samples: one is needed for training and one for validation; use more --data")
-    order = np.random.default_rng(seed).permutation(len(samples))
-    n_val = min(max(1, round(len(samples) * val_fraction)), 500)
-    val_ids = set(order[:n_val].tolist())
-    return ([s for i, s in enumerate(samples) if i not in val_ids], [s for i, s in enumerate(samples) if i in val_ids])
+def document_samples(corpus, documents, max_len):
+    """Samples (starts, lengths) of the given documents: a document longer than max_len becomes chunks of max_len
+    that overlap by one token, so every token but a document's first is a target exactly once."""
+    starts, lengths = corpus.offsets[documents], np.diff(corpus.offsets)[documents]
+    chunks = np.maximum(1, -(-(lengths - 1) // (max_len - 1)))  # ceil((length - 1) / stride)
+    document = np.repeat(np.arange(len(documents)), chunks)
+    chunk = np.arange(len(document)) - np.repeat(np.cumsum(chunks) - chunks, chunks)  # its number within the document
+    sample_starts = starts[document] + chunk * (max_len - 1)
+    sample_lengths = np.minimum(max_len, lengths[document] - chunk * (max_len - 1))
+    keep = sample_lengths >= 2  # one input and one target at least
+    return sample_starts[keep], sample_lengths[keep]
 
 
 def load_pretraining_data(args, tokenizer):
     """Train and validation Splits of token samples, each at most the largest bucket long."""
-    build = lambda: {"tokens": tokenizer.encode_ordinary_batch(pretraining_texts(args, read_records(args)))}
-    samples = []
-    for tokens in cached_arrays(args, f"pretrain-{tokenizer.name}", build)["tokens"]:
-        samples.extend(chunk_document(np.append(tokens, EOT_ID), args.buckets[-1]))
-    train, val = split_train_val([s for s in samples if len(s) >= 2], args.val_fraction)
-    return make_split(train, train), make_split(val, val)
+    corpus = open_prepared(prepared_folder(args, tokenizer, "pretrain"), tokenizer, "pretrain")
+    is_val = np.zeros(len(corpus.offsets) - 1, dtype=bool)
+    is_val[validation_documents(len(is_val), args.val_fraction)] = True
+
+    def split(documents):
+        starts, lengths = document_samples(corpus, documents, args.buckets[-1])
+        return Split(corpus.tokens, None, starts, lengths, lengths - 1, corpus.content_sha256)
+
+    return split(np.flatnonzero(~is_val)), split(np.flatnonzero(is_val))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -467,44 +428,62 @@ def assign_buckets(lengths, buckets):
     return np.searchsorted(np.asarray(buckets), np.asarray(lengths), side="left")
 
 
+class Schedule:
+    """One epoch's optimizer steps as flat arrays: schedule[i] is (bucket length, the samples of step i, all ranks'
+    and micro-batches'). Rank r's micro-batch m of a step is samples[m * world_size + r :: world_size * grad_accum]."""
+
+    def __init__(self, samples, starts, ends, bucket_lens):
+        self.samples, self.starts, self.ends, self.bucket_lens = samples, starts, ends, bucket_lens
+
+    def __len__(self):
+        return len(self.starts)
+
+    def __getitem__(self, i):  # also what `for bucket_len, samples in schedule` iterates with
+        return int(self.bucket_lens[i]), self.samples[self.starts[i]:self.ends[i]]
+
+
 def epoch_schedule(lengths, buckets, tokens_per_batch, world_size, grad_accum, seed, epoch, order="shuffled"):
     """The optimizer steps of one epoch: a pure function of its arguments, identical on every rank.
 
-    Returns a list of (bucket_len, rows) where rows[rank][micro] is the list of sample indices that
-    rank feeds in that micro-batch. Each sample appears exactly once; the last step of a bucket may
-    have empty rows, which become padding, so that every rank runs the same number of steps.
+    Each bucket's samples in a random order, cut into steps of (its batch size x grad_accum x world_size) samples;
+    each sample appears exactly once. A bucket's last step may be short: its missing rows become padding, so that
+    every rank runs the same number of steps. Then the steps are shuffled (or kept short buckets first).
     """
     rng = np.random.default_rng([seed, epoch])
     bucket_of = assign_buckets(lengths, buckets)
-    steps = []
+    samples, starts, ends, bucket_lens = [], [], [], []
+    offset = 0
     for b, bucket_len in enumerate(buckets):
-        members = rng.permutation(np.flatnonzero(bucket_of == b)).tolist()
-        per_micro = bucket_batch_size(tokens_per_batch, bucket_len)
-        per_step = per_micro * grad_accum * world_size
-        for start in range(0, len(members), per_step):
-            chunk = members[start:start + per_step]
-            # Deal samples round-robin so a short last step spreads over ranks and micro-batches evenly.
-            slots = [chunk[i::world_size * grad_accum] for i in range(world_size * grad_accum)]
-            rows = [[slots[micro * world_size + rank] for micro in range(grad_accum)] for rank in range(world_size)]
-            steps.append((bucket_len, rows))
+        members = rng.permutation(np.flatnonzero(bucket_of == b))
+        per_step = bucket_batch_size(tokens_per_batch, bucket_len) * grad_accum * world_size
+        step_starts = np.arange(0, len(members), per_step)
+        samples.append(members)
+        starts.append(offset + step_starts)
+        ends.append(offset + np.minimum(step_starts + per_step, len(members)))
+        bucket_lens.append(np.full(len(step_starts), bucket_len))
+        offset += len(members)
+    steps = np.arange(sum(len(s) for s in starts))
     if order == "shuffled":
-        steps = [steps[i] for i in rng.permutation(len(steps))]
-    return steps  # "ascending": buckets from short to long, as built above
+        steps = rng.permutation(len(steps))
+    return Schedule(np.concatenate(samples), np.concatenate(starts)[steps], np.concatenate(ends)[steps], np.concatenate(bucket_lens)[steps])
 
 
 def collate(split, sample_ids, bucket_len, batch_size, pad_id=EOT_ID):
-    """The samples of `split` at `sample_ids`, right-padded to the bucket length, and their targets.
+    """The samples of `split` at `sample_ids`, copied out of the memory map and right-padded to the bucket
+    length, and their targets.
 
-    The target at position t is label t+1 (the next token where it carries loss); padding is never a
-    target. Right padding under a causal mask never changes the real tokens' outputs, so no attention
-    mask is needed. Rows beyond the samples (a bucket's last, short step) are all padding.
+    The target at position t is token t+1 where that token carries loss; padding is never a target. Right
+    padding under a causal mask never changes the real tokens' outputs, so no attention mask is needed. Rows
+    beyond the samples (a bucket's last, short step) are all padding.
     """
     input_ids = torch.full((batch_size, bucket_len), pad_id, dtype=torch.long)
     targets = torch.full((batch_size, bucket_len), IGNORE_INDEX, dtype=torch.long)
     for row, i in enumerate(sample_ids):
-        n = split.lengths[i]
-        input_ids[row, :n] = torch.as_tensor(split.tokens[i])
-        targets[row, :n - 1] = torch.as_tensor(split.labels[i][1:])
+        start, n = split.starts[i], split.lengths[i]
+        input_ids[row, :n] = torch.from_numpy(sample_tokens(split, i))
+        targets[row, :n - 1] = input_ids[row, 1:n]
+        if split.mask is not None:  # SFT: only the assistant's tokens are targets
+            targets[row, :n - 1].masked_fill_(torch.from_numpy(split.mask[start + 1:start + n] == 0), IGNORE_INDEX)
     return input_ids, targets
 
 
@@ -720,6 +699,7 @@ def commit_checkpoint(partial_dir, args, script, step, world_size):
     meta = {"script": script, "model": args.model, "model_config": MODEL_PRESETS[args.model]["model"],
             "vocab_size": VOCAB_SIZE, "step": step, "world_size": world_size, "data": args.data,
             "schedule": {flag: getattr(args, flag) for flag in SCHEDULE_FLAGS},  # what a resume may change, and is told it did
+            "data_order": args.data_order,  # what a resume may not change (check_data)
             "files": files}  # every file's size: a truncated or missing file is caught before anything loads
     (partial_dir / "meta.json").write_text(json.dumps(meta, indent=2))
     os.replace(partial_dir, partial_dir.parent / f"step_{step}")
@@ -739,11 +719,28 @@ def remove_incomplete_checkpoints(checkpoint_root):
             shutil.rmtree(leftover, ignore_errors=True)
 
 
-def check_enough_samples(train, val, world_size):
-    if len(train.tokens) < world_size:
-        raise UsageError(f"the data gives {len(train.tokens)} training samples, fewer than the {world_size} ranks: use more --data or fewer ranks")
-    if not val.tokens:
+def check_data(args, train, val, world_size, resume_dir):
+    """Enough samples for every rank, and on --resume the data order of the checkpoint's run (its data, split,
+    buckets, seed and samples per step): else `index` in its data position would point into another order. What
+    the order depends on goes on args, for every checkpoint's meta.json (commit_checkpoint)."""
+    if len(train.lengths) < world_size:
+        raise UsageError(f"the data gives {len(train.lengths)} training samples, fewer than the {world_size} ranks: use more --data or fewer ranks")
+    if not len(val.lengths):
         raise UsageError("the validation split is empty: use more --data or a larger --val-fraction")
+    samples_per_step = [bucket_batch_size(args.tokens_per_batch, length) * args.grad_accum * world_size for length in args.buckets]
+    args.data_order = {"data_sha256": train.content_sha256, "val_fraction": args.val_fraction, "buckets": args.buckets,
+                       "bucket_order": args.bucket_order, "seed": args.seed, "samples_per_step": samples_per_step,
+                       "tokens_per_batch": args.tokens_per_batch, "grad_accum": args.grad_accum, "world_size": world_size}
+    saved = read_meta(resume_dir, "--resume").get("data_order") if resume_dir is not None else None
+    for key, flag in [("data_sha256", "--data"), ("val_fraction", "--val-fraction"), ("buckets", "--buckets"),
+                      ("bucket_order", "--bucket-order"), ("seed", "--seed")]:
+        if saved and saved[key] != args.data_order[key]:
+            raise UsageError(f"{flag} differs from the run of --resume {resume_dir} ({args.data_order[key]} here, {saved[key]} there), "
+                             f"and the data order depends on it: resume with its {flag}")
+    if saved and saved["samples_per_step"] != samples_per_step:  # the number of ranks may change, the global batch not
+        raise UsageError(f"--tokens-per-batch {args.tokens_per_batch} x --grad-accum {args.grad_accum} x {world_size} ranks gives "
+                         f"{samples_per_step} samples per step in buckets {args.buckets}; the run of --resume {resume_dir} took "
+                         f"{saved['samples_per_step']}: keep tokens per batch x grad accum x ranks as it was")
 
 
 def init_process_group(device):
@@ -816,78 +813,19 @@ def encode_conversation(tokenizer, messages):
     return tokens, labels
 
 
-def conversation_messages(row, data):
-    """[(role, text), ...] from a row in the OpenThoughts schema (system + conversations of {from, value})
-    or the messages schema ({role, content})."""
-    if isinstance(row.get("conversations"), list):
-        messages = [("system", row["system"])] if row.get("system") else []
-        turns = [(turn.get("from"), turn.get("value")) for turn in row["conversations"]]
-        messages += [({"human": "user", "gpt": "assistant"}.get(role, role), text) for role, text in turns]
-    elif isinstance(row.get("messages"), list):
-        messages = [(turn.get("role"), turn.get("content")) for turn in row["messages"]]
-    else:
-        raise UsageError(f"--data {data}: a row has neither 'conversations' (OpenThoughts) nor 'messages' (columns: {', '.join(row)})")
-    for role, text in messages:
-        if role not in ROLE_MARKERS or not isinstance(text, str):
-            raise UsageError(f"--data {data}: a turn has role {role!r} (expected system, user or assistant) or no text")
-    if not any(role == "assistant" for role, _ in messages):
-        raise UsageError(f"--data {data}: a conversation has no assistant turn, so nothing to learn from")
-    return messages
-
-
-def builtin_reasoning_records(n=10_000, seed=0):
-    """A generated reasoning set in the OpenThoughts format, deterministic by seed: chains of three
-    single-digit additions and subtractions whose results stay within 0..9, no problem twice. Each thought
-    step does one operation and carries the rest (6 + 2 = 8, so 8 - 6 - 1; ...): every result sits right
-    after its operands, and the solution is "The answer is 1.". One chain length on purpose: a 4-layer
-    model learns to copy operands by position, and a rarer length is what it then gets wrong."""
-    import random
-
-    assert n <= 12_000, "there are 13,310 distinct problems; ask for fewer"  # 10 * 11**3: 11 choices per step
-    rng, records, seen = random.Random(seed), [], set()
-    while len(records) < n:
-        value = rng.randint(0, 9)
-        terms = [str(value)]
-        for _ in range(3):
-            op = rng.choice("+-")
-            operand = rng.randint(0, 9 - value) if op == "+" else rng.randint(0, value)  # results stay within 0..9
-            value = value + operand if op == "+" else value - operand
-            terms += [op, str(operand)]
-        question = f"Compute {' '.join(terms)}."
-        if question in seen:
-            continue
-        seen.add(question)
-        steps = []
-        while len(terms) > 1:
-            first, op, operand = int(terms[0]), terms[1], int(terms[2])
-            terms = [str(first + operand if op == "+" else first - operand), *terms[3:]]
-            steps.append(f"{first} {op} {operand} = {terms[0]}" + (f", so {' '.join(terms)}" if len(terms) > 1 else ""))
-        thoughts = "First, " + "; ".join(steps)  # a word first, so every number is the same " 5" token as in the question
-        answer = (f"<|begin_of_thought|>\n\n{thoughts}\n\n<|end_of_thought|>\n\n"
-                  f"<|begin_of_solution|>\n\nThe answer is {value}.\n\n<|end_of_solution|>")
-        records.append({"system": BUILTIN_SYSTEM_PROMPT, "conversations": [
-            {"from": "user", "value": question}, {"from": "assistant", "value": answer}]})
-    return records
-
-
 def load_sft_data(args, tokenizer):
-    """Train and validation Splits of encoded conversations, cut to the largest bucket."""
-    builtin = builtin_reasoning_records() if args.data == "builtin" else None  # generated in well under a second
-
-    def build():
-        records = builtin if builtin is not None else load_records(args.data, args.data_config, args.max_docs)
-        if not records:
-            raise UsageError(f"--data {args.data} holds no conversations: check the path and --data-config")
-        encoded = [encode_conversation(tokenizer, conversation_messages(row, args.data)) for row in records]
-        return {"tokens": [tokens for tokens, _ in encoded], "labels": [labels for _, labels in encoded]}
-
-    version = _cache_key(builtin) if builtin is not None else ""  # the generated set's own content names its cache
-    arrays = cached_arrays(args, f"sft-{tokenizer.name}{version}", build)
-    max_len = args.buckets[-1]  # longer conversations are cut: their first max_len tokens still teach
-    kept = [i for i, labels in enumerate(arrays["labels"]) if (labels[1:max_len] != IGNORE_INDEX).any()]
-    train_ids, val_ids = split_train_val(kept, args.val_fraction)
-    split = lambda ids: make_split([arrays["tokens"][i][:max_len] for i in ids], [arrays["labels"][i][:max_len] for i in ids])
-    return split(train_ids), split(val_ids)
+    """Train and validation Splits of encoded conversations, each cut to the largest bucket (its first tokens still
+    teach); conversations with no target within that length are left out."""
+    corpus = open_prepared(prepared_folder(args, tokenizer, "sft"), tokenizer, "sft")
+    starts, lengths = np.asarray(corpus.offsets[:-1]), np.diff(corpus.offsets)
+    cut = np.minimum(lengths, args.buckets[-1])
+    target_counts = np.add.reduceat(corpus.mask, starts, dtype=np.int64) - corpus.mask[starts]  # a first token is never predicted
+    for i in np.flatnonzero(lengths > cut):  # the few conversations that are cut: count again within the cut
+        target_counts[i] = int(corpus.mask[starts[i] + 1:starts[i] + cut[i]].sum())
+    is_val = np.zeros(len(starts), dtype=bool)
+    is_val[validation_documents(len(starts), args.val_fraction)] = True
+    split = lambda keep: Split(corpus.tokens, corpus.mask, starts[keep], cut[keep], target_counts[keep], corpus.content_sha256)
+    return split(~is_val & (target_counts > 0)), split(is_val & (target_counts > 0))
 
 
 def solution_text(tokenizer, token_ids):
@@ -905,7 +843,8 @@ def answer_prompts(tokenizer, split, limit):
     its last <|assistant|> marker; the answer is the reference reply's text between the solution markers.
     Conversations whose reply has no solution markers are left out. Also returns a reply-length bound."""
     prompts, answers, longest = [], [], 0
-    for tokens in split.tokens[:limit]:
+    for i in range(min(limit, len(split.lengths))):
+        tokens = sample_tokens(split, i)
         start = len(tokens) - list(tokens[::-1]).index(SPECIAL_TOKENS[ROLE_MARKERS["assistant"]])
         answer = solution_text(tokenizer, tokens[start:])
         if answer is not None:

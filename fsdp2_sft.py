@@ -35,8 +35,8 @@ init_dir = common.find_init_checkpoint(args) if resume_dir is None else None  # 
 
 # ---------------------------------------------------------------------------------------------- data
 tokenizer = common.get_chat_tokenizer()  # GPT-2 BPE plus the role and reasoning markers
-train, val = common.load_sft_data(args, tokenizer)  # Splits: tokens, labels (assistant tokens only), lengths, target counts
-common.check_enough_samples(train, val, world_size)
+train, val = common.load_sft_data(args, tokenizer)  # Splits over the memory-mapped tokens; targets: assistant tokens only
+common.check_data(args, train, val, world_size, resume_dir)  # enough samples; on --resume, the checkpoint's data order
 
 # ---------------------------------------------------------------------------------------------- distributed
 # Every input check is behind us: from here on the ranks talk to each other.
@@ -141,9 +141,9 @@ def evaluate():
     """Loss over the whole validation split (assistant tokens of all ranks, divided once), and answer accuracy."""
     model.eval()
     loss_sum = torch.zeros((), device=device)
-    for bucket_len, rows in val_schedule:
+    for bucket_len, samples in val_schedule:
         batch_size = common.bucket_batch_size(args.tokens_per_batch, bucket_len)
-        input_ids, targets = common.collate(val, rows[rank][0], bucket_len, batch_size)
+        input_ids, targets = common.collate(val, samples[rank::world_size], bucket_len, batch_size)
         loss_sum += model(input_ids=input_ids.to(device), targets=targets.to(device))  # summed over the targets
     mine = list(range(rank, len(val_prompts), world_size))  # each rank answers its share, in one batch
     replies = common.generate_replies(model, [val_prompts[i] for i in mine], max_reply_tokens, synced=True) if val_prompts else []
@@ -182,17 +182,17 @@ while step < args.max_steps:
     if data_position["index"] >= len(schedule):  # epoch done: the next one reshuffles, as a function of (seed, epoch)
         data_position = {"epoch": data_position["epoch"] + 1, "index": 0}
         schedule = make_schedule(train.lengths, data_position["epoch"], args.grad_accum, args.bucket_order)
-    bucket_len, rows = schedule[data_position["index"]]
+    bucket_len, step_samples = schedule[data_position["index"]]  # the step's samples, all ranks' and micro-batches'
     data_position = {**data_position, "index": data_position["index"] + 1}
     batch_size = common.bucket_batch_size(args.tokens_per_batch, bucket_len)
-    step_samples = [i for rank_rows in rows for micro_rows in rank_rows for i in micro_rows]
-    tokens = sum(train.lengths[i] for i in step_samples)
-    target_tokens = sum(train.target_counts[i] for i in step_samples)  # positions with a loss, all ranks
+    tokens = int(train.lengths[step_samples].sum())
+    target_tokens = int(train.target_counts[step_samples].sum())  # positions with a loss, all ranks
     common.reset_peak_memory(device)  # each row's peak is its own step's, so per bucket
     step_start = time.perf_counter()
 
     loss_sum = torch.zeros((), device=device)
-    for micro, sample_ids in enumerate(rows[rank]):
+    for micro in range(args.grad_accum):
+        sample_ids = step_samples[micro * world_size + rank::world_size * args.grad_accum]  # dealt round-robin: a short last step spreads evenly
         input_ids, targets = common.collate(train, sample_ids, bucket_len, batch_size)
         # Divide by the target tokens of the WHOLE step (all ranks, all micro-batches), not by this batch's:
         # a long sample then weighs as much as it would in one big batch. The gradient sync averages over

@@ -79,18 +79,19 @@ if cli.mode == "bare":
     if len(schedule) < cli.steps:  # ours would go on into epoch 1: the step times would no longer pair up
         sys.exit(f"--steps {cli.steps} is more than the {len(schedule)} steps of one epoch")
     tokens, padded_tokens, step_ends = 0, 0, []
-    for step, (bucket_len, rows) in enumerate(schedule[:cli.steps], start=1):
+    for step in range(1, cli.steps + 1):
+        bucket_len, step_samples = schedule[step - 1]
         if step == cli.skip + 1:
             dist.barrier()
             step_ends.append(time.perf_counter())
         batch_size = common.bucket_batch_size(args.tokens_per_batch, bucket_len)
-        input_ids, targets = common.collate(train, rows[rank][0], bucket_len, batch_size)
-        target_tokens = sum(train.target_counts[i] for rank_rows in rows for i in rank_rows[0])
+        input_ids, targets = common.collate(train, step_samples[rank::world_size], bucket_len, batch_size)
+        target_tokens = int(train.target_counts[step_samples].sum())
         (model(input_ids=input_ids.to(device), targets=targets.to(device)) * world_size / target_tokens).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if step > cli.skip:
-            tokens, padded_tokens = tokens + sum(train.lengths[i] for i in rows[rank][0]), padded_tokens + batch_size * bucket_len
+            tokens, padded_tokens = tokens + int(train.lengths[step_samples[rank::world_size]].sum()), padded_tokens + batch_size * bucket_len
             if device.type == "cuda":
                 torch.cuda.synchronize()  # the step's kernels are done (ours waits for the loss every step too)
             step_ends.append(time.perf_counter())
@@ -127,8 +128,8 @@ else:
         from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerFast, Trainer, TrainingArguments
 
         block = args.buckets[-1]
-        texts = common.pretraining_texts(args, common.read_records(args))
-        ids = [token for tokens in common.get_tokenizer().encode_ordinary_batch(texts) for token in [*tokens, common.EOT_ID]]
+        corpus = common.open_prepared(common.prepared_folder(args, common.get_tokenizer(), "pretrain"), common.get_tokenizer(), "pretrain")
+        ids = corpus.tokens.tolist()  # every document followed by <|endoftext|>, as run_clm concatenates them
         blocks = datasets.Dataset.from_dict({"input_ids": [ids[i:i + block] for i in range(0, len(ids) - block + 1, block)]})
 
         def collate(examples):  # the language-modeling collator: labels are the inputs (the model shifts them)
@@ -149,7 +150,10 @@ else:
         from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
         train, _ = common.load_sft_data(args, common.get_chat_tokenizer())
-        rows = {"input_ids": [t.tolist() for t in train.tokens], "labels": [l.tolist() for l in train.labels]}
+        samples = [common.sample_tokens(train, i) for i in range(len(train.lengths))]
+        masks = [train.mask[start:start + length] for start, length in zip(train.starts, train.lengths)]
+        rows = {"input_ids": [t.tolist() for t in samples], "labels": [[t if m else common.IGNORE_INDEX for t, m in zip(ts.tolist(), ms)]
+                                                                         for ts, ms in zip(samples, masks)]}
         batch_size = max(1, args.tokens_per_batch // max(train.lengths))
         pad = DataCollatorForLanguageModeling(pad_token_id=common.EOT_ID)
 

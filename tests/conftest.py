@@ -8,7 +8,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common.py
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # helpers.py
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no test reaches the network; transformers reads this on import
 
-from helpers import TINY_RUN, check, run_script  # noqa: E402
+from helpers import SFT_DATA, TINY_RUN, check, run_script, write_tiny_corpus  # noqa: E402
+
+write_tiny_corpus()  # before any test reads TINY_RUN's --data
 
 
 @pytest.fixture(scope="session")
@@ -21,7 +23,7 @@ def tiny_run(tmp_path_factory):
         if script not in runs:
             out = tmp_path_factory.mktemp(script.removesuffix(".py")) / "run"
             # The SFT starts from the FSDP2 pretraining run's newest checkpoint.
-            init = ["--init-from", get("fsdp2_pretrain.py")[0], "--eval-generate", 8] if script == "fsdp2_sft.py" else []
+            init = ["--init-from", get("fsdp2_pretrain.py")[0], "--eval-generate", 8, *SFT_DATA] if script == "fsdp2_sft.py" else []
             runs[script] = (out, check(run_script(script, *TINY_RUN, *init, "--out-dir", out, nproc=2)))
         return runs[script]
 

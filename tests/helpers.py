@@ -4,13 +4,32 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
-# The run most tests share: tiny model, built-in data, 20 steps, checkpoints at steps 10 and 20, fp32, a small
-# validation split (evaluation dominates a tiny run on CPU).
-TINY_RUN = ["--model", "tiny", "--max-steps", 20, "--save-every", 10, "--eval-every", 10, "--dtype", "fp32", "--val-fraction", 0.002]
+TINY_CORPUS = Path(tempfile.gettempdir()) / f"llm-reference-tests-{os.getuid()}" / "tiny_corpus.jsonl"
+# The run most tests share: tiny model, 20 steps, checkpoints at steps 10 and 20, fp32, one validation document
+# (evaluation dominates a tiny run on CPU). Its corpus is small on purpose: an epoch is 12 steps, so every resume
+# from step 10 crosses an epoch boundary.
+TINY_RUN = ["--model", "tiny", "--data", TINY_CORPUS, "--cache-dir", TINY_CORPUS.parent / "cache", "--max-steps", 20,
+            "--save-every", 10, "--eval-every", 10, "--dtype", "fp32", "--val-fraction", 0.002]
+
+SFT_DATA = ["--data", "builtin"]  # after TINY_RUN's flags: the SFT trains on the built-in reasoning set
+
+
+def write_tiny_corpus():
+    """TINY_CORPUS: the first 156 paragraphs of CPython's help topics (about 8,000 tokens), one document each. Rewritten
+    only when its text changes, so that its cache (keyed by size and modification time) lasts across sessions."""
+    import pydoc_data.topics
+
+    topics = pydoc_data.topics.topics
+    paragraphs = [p.strip() for name in sorted(topics) for p in topics[name].split("\n\n") if len(p.strip()) > 40][:156]
+    text = "".join(json.dumps({"text": paragraph}) + "\n" for paragraph in paragraphs)
+    if not TINY_CORPUS.is_file() or TINY_CORPUS.read_text() != text:
+        TINY_CORPUS.parent.mkdir(parents=True, exist_ok=True)
+        TINY_CORPUS.write_text(text)
 
 
 def run_script(script, *flags, nproc=1, torchrun=True, timeout=600, env=None):

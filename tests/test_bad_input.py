@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 import common
-from helpers import run_script, traceback_through_our_code, tree_hashes
+from helpers import TINY_RUN, copy_checkpoint, run_script, traceback_through_our_code, tree_hashes
 
 SFT_INIT = ["--init-from", "{tmp}/fsdp2"]  # a valid pretrained checkpoint, so the SFT gets as far as its data
 BAD_INPUTS = {  # case: (script, flags, ranks, words the error line must hold: the flag first)
@@ -37,6 +37,9 @@ BAD_INPUTS = {  # case: (script, flags, ranks, words the error line must hold: t
     "resume with another model shape": ("ddp_pretrain.py", ["--model", "small", "--out-dir", "{tmp}/ddp", "--resume"], 1, ["--model", "'tiny'"]),
     "resume another strategy's checkpoint": ("fsdp2_pretrain.py", ["--model", "tiny", "--resume", "{tmp}/ddp/checkpoints/step_20"], 1, ["--resume", "ddp_pretrain.py"]),
     "resume a run that reached --max-steps": ("ddp_pretrain.py", ["--model", "tiny", "--out-dir", "{tmp}/ddp", "--resume"], 1, ["--max-steps 20", "step 20 already"]),
+    "resume on other data": ("ddp_pretrain.py", [*TINY_RUN[:2], "--data", "{tmp}/two_docs.jsonl", "--out-dir", "{tmp}/ddp10", "--resume"], 1, ["--data differs", "data order"]),
+    "resume with another seed": ("ddp_pretrain.py", [*TINY_RUN, "--seed", 7, "--out-dir", "{tmp}/ddp10", "--resume"], 1, ["--seed differs", "data order"]),
+    "resume with another global batch": ("ddp_pretrain.py", [*TINY_RUN, "--tokens-per-batch", 1024, "--out-dir", "{tmp}/ddp10", "--resume"], 1, ["--tokens-per-batch 1024", "as it was"]),
     "resume from a truncated checkpoint file": ("ddp_pretrain.py", ["--model", "tiny", "--resume", "{tmp}/truncated/checkpoints/step_20"], 1, ["--resume", "damaged"]),
     "init-from a DDP checkpoint": ("fsdp2_sft.py", ["--model", "tiny", "--init-from", "{tmp}/ddp"], 1, ["--init-from", "ddp_pretrain.py"]),
     "init-from a folder with no checkpoint": ("fsdp2_sft.py", ["--model", "tiny", "--init-from", "{tmp}/empty_folder"], 1, ["--init-from", "fsdp2_pretrain.py"]),
@@ -63,6 +66,7 @@ def bad_input_files(tmp_path_factory, tiny_run):
     (tmp / "mixed" / "a.txt").write_text("some text")
     (tmp / "mixed" / "b.jsonl").write_text(json.dumps({"text": "more text"}) + "\n")
     shutil.copytree(tiny_run("ddp_pretrain.py")[0] / "checkpoints", tmp / "ddp" / "checkpoints")
+    copy_checkpoint(tmp / "ddp", 10, tmp / "ddp10")
     shutil.copytree(tiny_run("fsdp2_pretrain.py")[0] / "checkpoints", tmp / "fsdp2" / "checkpoints")
     shutil.copytree(tmp / "ddp", tmp / "truncated")
     weights = tmp / "truncated" / "checkpoints" / "step_20" / "checkpoint.pt"
@@ -107,7 +111,7 @@ def empty_and_foreign_files(tmp):
 @pytest.mark.parametrize("stage", ["train", "sft"])
 def test_empty_or_foreign_data_files_are_one_error_line_and_write_nothing(stage, tmp_path):
     """In process, for speed: the loader raises one UsageError line naming --data (the table above shows the
-    scripts print such a line once, with no traceback); the cache gets nothing."""
+    scripts print such a line once, with no traceback); the cache is left empty."""
     load = common.load_pretraining_data if stage == "train" else common.load_sft_data
     tokenizer = common.get_tokenizer() if stage == "train" else common.get_chat_tokenizer()
     for name, path in empty_and_foreign_files(tmp_path / "data").items():
@@ -117,4 +121,4 @@ def test_empty_or_foreign_data_files_are_one_error_line_and_write_nothing(stage,
             load(args, tokenizer)
         message = str(error.value)
         assert message.startswith(f"--data {path}") and "\n" not in message and len(message) < 400, (name, message)
-    assert not (tmp_path / "cache").exists() and not (tmp_path / "run").exists()
+    assert not list((tmp_path / "cache").rglob("*")) and not (tmp_path / "run").exists()  # no partial folder left either

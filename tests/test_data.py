@@ -1,4 +1,4 @@
-"""Length bucketing, chunking, collation and the LR schedule, as the SPEC states them."""
+"""Length bucketing, chunking, splitting, collation and the LR schedule, as the SPEC states them."""
 import argparse
 from collections import Counter
 
@@ -7,18 +7,73 @@ import pytest
 import torch
 
 import common
+from helpers import TINY_RUN
 
 BUCKETS = [32, 64, 128]
 
 
 def random_lengths(n=1000, seed=0):
-    return np.random.default_rng(seed).integers(2, 129, size=n).tolist()
+    return np.random.default_rng(seed).integers(2, 129, size=n)
+
+
+def rows_of(schedule, world_size, grad_accum):
+    """The schedule as [(bucket_len, rows)], rows[rank][micro] a list of sample ids: what each rank feeds."""
+    slots = world_size * grad_accum
+    return [(bucket_len, [[samples[micro * world_size + rank::slots].tolist() for micro in range(grad_accum)] for rank in range(world_size)])
+            for bucket_len, samples in schedule]
+
+
+def list_schedule(lengths, buckets, tokens_per_batch, world_size, grad_accum, seed, epoch, order="shuffled"):
+    """The schedule as the scripts computed it before it became flat arrays (Python lists per sample), kept here
+    as the reference the new one must equal bit for bit."""
+    rng = np.random.default_rng([seed, epoch])
+    bucket_of = common.assign_buckets(lengths, buckets)
+    steps = []
+    for b, bucket_len in enumerate(buckets):
+        members = rng.permutation(np.flatnonzero(bucket_of == b)).tolist()
+        per_step = common.bucket_batch_size(tokens_per_batch, bucket_len) * grad_accum * world_size
+        for start in range(0, len(members), per_step):
+            chunk = members[start:start + per_step]
+            slots = [chunk[i::world_size * grad_accum] for i in range(world_size * grad_accum)]
+            steps.append((bucket_len, [[slots[micro * world_size + rank] for micro in range(grad_accum)] for rank in range(world_size)]))
+    if order == "shuffled":
+        steps = [steps[i] for i in rng.permutation(len(steps))]
+    return steps
+
+
+def parse(flags):
+    return common.finalize_args(common.get_parser("", "runs/x").parse_args([str(flag) for flag in flags]))
+
+
+@pytest.fixture(scope="module")
+def builtin_args():
+    return parse([])  # the default job's settings
+
+
+@pytest.fixture(scope="module")
+def builtin_splits(builtin_args):
+    return common.load_pretraining_data(builtin_args, common.get_tokenizer())
+
+
+@pytest.mark.parametrize("corpus", ["builtin", "tiny run", "random"])
+@pytest.mark.parametrize("world_size,grad_accum,order", [(2, 1, "shuffled"), (2, 3, "shuffled"), (4, 2, "ascending")])
+def test_schedule_equals_the_list_schedule_bit_for_bit(corpus, world_size, grad_accum, order, builtin_args, builtin_splits):
+    if corpus == "builtin":
+        lengths, buckets, tokens_per_batch = builtin_splits[0].lengths, builtin_args.buckets, builtin_args.tokens_per_batch
+    elif corpus == "tiny run":
+        args = parse(TINY_RUN)
+        lengths, buckets, tokens_per_batch = common.load_pretraining_data(args, common.get_tokenizer())[0].lengths, args.buckets, 512
+    else:
+        lengths, buckets, tokens_per_batch = random_lengths(), BUCKETS, 512
+    for epoch in (0, 1):
+        new = common.epoch_schedule(lengths, buckets, tokens_per_batch, world_size, grad_accum, seed=1337, epoch=epoch, order=order)
+        assert rows_of(new, world_size, grad_accum) == list_schedule(lengths, buckets, tokens_per_batch, world_size, grad_accum, 1337, epoch, order)
 
 
 @pytest.mark.parametrize("world_size,grad_accum", [(1, 1), (2, 1), (2, 3), (4, 2)])
 def test_every_sample_is_used_exactly_once_per_epoch(world_size, grad_accum):
     lengths = random_lengths()
-    steps = common.epoch_schedule(lengths, BUCKETS, 512, world_size, grad_accum, seed=1, epoch=0)
+    steps = rows_of(common.epoch_schedule(lengths, BUCKETS, 512, world_size, grad_accum, seed=1, epoch=0), world_size, grad_accum)
     used = Counter(i for _, rows in steps for rank_rows in rows for micro in rank_rows for i in micro)
     assert sorted(used) == list(range(len(lengths)))
     assert set(used.values()) == {1}
@@ -27,7 +82,7 @@ def test_every_sample_is_used_exactly_once_per_epoch(world_size, grad_accum):
 def test_batch_size_is_tokens_per_batch_over_bucket_length_and_samples_fit_their_bucket():
     lengths = random_lengths()
     tokens_per_batch = 1000
-    steps = common.epoch_schedule(lengths, BUCKETS, tokens_per_batch, 2, 1, seed=1, epoch=0)
+    steps = rows_of(common.epoch_schedule(lengths, BUCKETS, tokens_per_batch, 2, 1, seed=1, epoch=0), 2, 1)
     full_rows = Counter()
     for bucket_len, rows in steps:
         assert len(rows) == 2 and all(len(rank_rows) == 1 for rank_rows in rows)
@@ -44,69 +99,85 @@ def test_batch_size_is_tokens_per_batch_over_bucket_length_and_samples_fit_their
 
 def test_schedule_is_a_pure_function_of_seed_and_epoch():
     lengths = random_lengths()
-    make = lambda seed, epoch: common.epoch_schedule(lengths, BUCKETS, 512, 2, 1, seed=seed, epoch=epoch)
+    make = lambda seed, epoch: rows_of(common.epoch_schedule(lengths, BUCKETS, 512, 2, 1, seed=seed, epoch=epoch), 2, 1)
     assert make(1, 0) == make(1, 0)  # what every rank computes independently: the same buckets, the same step count
     assert make(1, 0) != make(1, 1) and make(1, 0) != make(2, 0)
     assert len(make(1, 0)) == len(make(1, 1))
 
 
 def test_ascending_order_trains_short_buckets_first():
-    steps = common.epoch_schedule(random_lengths(), BUCKETS, 512, 2, 1, seed=1, epoch=0, order="ascending")
-    bucket_lens = [bucket_len for bucket_len, _ in steps]
+    schedule = common.epoch_schedule(random_lengths(), BUCKETS, 512, 2, 1, seed=1, epoch=0, order="ascending")
+    bucket_lens = [bucket_len for bucket_len, _ in schedule]
     assert bucket_lens == sorted(bucket_lens)
 
 
 def test_ranks_get_disjoint_samples():
-    steps = common.epoch_schedule(random_lengths(), BUCKETS, 512, 2, 2, seed=1, epoch=0)
-    for _, rows in steps:
+    for _, rows in rows_of(common.epoch_schedule(random_lengths(), BUCKETS, 512, 2, 2, seed=1, epoch=0), 2, 2):
         rank0 = {i for micro in rows[0] for i in micro}
         rank1 = {i for micro in rows[1] for i in micro}
         assert not rank0 & rank1
 
 
 def test_chunking_makes_every_token_but_the_first_a_target_exactly_once():
-    tokens = np.arange(1000)
-    chunks = common.chunk_document(tokens, 128)
-    assert max(len(c) for c in chunks) == 128
-    targets = np.concatenate([c[1:] for c in chunks])
-    assert targets.tolist() == list(range(1, 1000))
+    lengths = [1000, 128, 129, 5, 2]  # longer than the bucket, exactly it, one more, short ones
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    corpus = common.Corpus(np.arange(offsets[-1]), offsets, None, "")
+    starts, sample_lengths = common.document_samples(corpus, np.array([0, 1, 2, 3, 4]), 128)
+    assert sample_lengths.max() == 128 and sample_lengths.min() >= 2
+    for document, length in enumerate(lengths):
+        mine = (starts >= offsets[document]) & (starts < offsets[document + 1])
+        targets = np.concatenate([np.arange(s + 1, s + n) for s, n in zip(starts[mine], sample_lengths[mine])])
+        assert targets.tolist() == list(range(offsets[document] + 1, offsets[document + 1])), document
+
+
+def test_validation_documents_are_fixed_and_never_trained_on(builtin_splits):
+    train, val = builtin_splits  # 21 of the 411 builtin documents are held out, most of them longer than a bucket
+    assert len(val.lengths) > 21 * 3  # whole documents: a long one gives several samples, all held out
+    def covered(split):
+        mask = np.zeros(len(split.tokens), dtype=bool)
+        for start, length in zip(split.starts, split.lengths):
+            mask[start:start + length] = True
+        return mask
+
+    trained, held_out = covered(train), covered(val)
+    assert not (trained & held_out).any() and (trained | held_out).all()  # disjoint, and together the whole corpus
+    assert len(common.validation_documents(411, 0.05)) == 21
+    assert np.array_equal(common.validation_documents(411, 0.05), common.validation_documents(411, 0.05))
+    assert len(common.validation_documents(100_000, 0.05)) == 500  # at most 500 documents
+
+
+def split_of(samples, mask=None):
+    """A Split over the given samples laid end to end (pretraining when mask is None)."""
+    lengths = np.array([len(s) for s in samples])
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    tokens = np.concatenate(samples).astype(np.uint16)
+    counts = lengths - 1 if mask is None else np.array([mask[s + 1:s + n].sum() for s, n in zip(starts, lengths)])
+    return common.Split(tokens, mask, starts, lengths, counts, "")
 
 
 def test_collate_pads_right_and_never_targets_padding():
-    samples = [np.array([5, 6, 7]), np.array([8, 9])]
-    split = common.make_split(samples, samples)  # pretraining: every next token is a target
-    assert split.target_counts == [2, 1]
+    split = split_of([np.array([5, 6, 7]), np.array([8, 9])])  # pretraining: every next token is a target
+    assert split.target_counts.tolist() == [2, 1]
     input_ids, targets = common.collate(split, [0, 1], bucket_len=4, batch_size=3)
     assert input_ids.tolist() == [[5, 6, 7, common.EOT_ID], [8, 9, common.EOT_ID, common.EOT_ID], [common.EOT_ID] * 4]
     assert targets.tolist() == [[6, 7, -100, -100], [9, -100, -100, -100], [-100] * 4]
 
 
-def test_collate_targets_only_labelled_tokens():
-    tokens, labels = np.array([1, 2, 3, 4, 5]), np.array([-100, -100, 3, 4, -100])
-    split = common.make_split([tokens], [labels])
-    assert split.target_counts == [2]
-    _, targets = common.collate(split, [0], bucket_len=6, batch_size=1)
+def test_collate_targets_only_masked_tokens():
+    split = split_of([np.array([1, 2, 3, 4, 5])], mask=np.array([0, 0, 1, 1, 0], dtype=np.uint8))
+    assert split.target_counts.tolist() == [2]
+    _, targets = common.collate(split, np.array([0]), bucket_len=6, batch_size=1)
     assert targets.tolist() == [[-100, 3, 4, -100, -100, -100]]
 
 
-def test_builtin_corpus_is_bucketed_with_at_least_90_percent_real_tokens():
-    args = common.finalize_args(common.get_parser("", "runs/x").parse_args([]))  # the default job's settings
-    train, val = common.load_pretraining_data(args, common.get_tokenizer())
-    assert len(train.tokens) > 1000 and len(val.tokens) > 50
-    lengths = train.lengths
-    steps = common.epoch_schedule(lengths, args.buckets, args.tokens_per_batch, 2, 1, seed=args.seed, epoch=0)
-    computed = sum(2 * common.bucket_batch_size(args.tokens_per_batch, bucket_len) * bucket_len for bucket_len, _ in steps)
-    share = sum(lengths) / computed
+def test_builtin_corpus_is_bucketed_with_at_least_90_percent_real_tokens(builtin_args, builtin_splits):
+    train, val = builtin_splits
+    assert len(train.lengths) > 1000 and len(val.lengths) > 50
+    schedule = common.epoch_schedule(train.lengths, builtin_args.buckets, builtin_args.tokens_per_batch, 2, 1, seed=1337, epoch=0)
+    computed = sum(2 * common.bucket_batch_size(builtin_args.tokens_per_batch, bucket_len) * bucket_len for bucket_len, _ in schedule)
+    share = train.lengths.sum() / computed
     print(f"non-padding share of the builtin corpus over one epoch: {share:.1%}")
     assert share >= 0.90
-
-
-def test_train_and_validation_splits_are_disjoint_and_fixed():
-    samples = [np.array([i, i + 1]) for i in range(500)]
-    train, val = common.split_train_val(samples, 0.05)
-    train_ids, val_ids = {int(s[0]) for s in train}, {int(s[0]) for s in val}
-    assert len(val) == 25 and not train_ids & val_ids and len(train_ids | val_ids) == 500
-    assert [int(s[0]) for s in common.split_train_val(samples, 0.05)[1]] == [int(s[0]) for s in val]
 
 
 def test_lr_warms_up_linearly_then_decays_by_cosine_to_the_floor():
@@ -117,3 +188,10 @@ def test_lr_warms_up_linearly_then_decays_by_cosine_to_the_floor():
     assert lr(60) == pytest.approx(0.55)  # halfway through the cosine: the mean of peak and floor
     assert lr(110) == pytest.approx(0.1) and lr(500) == pytest.approx(0.1)
     assert all(lr(s) >= lr(s + 1) for s in range(10, 120))
+
+
+def test_collate_copies_rows_out_of_the_memory_map(builtin_splits):
+    train, _ = builtin_splits
+    assert isinstance(train.tokens, np.memmap)  # the corpus is never read into memory as a whole
+    input_ids, _ = common.collate(train, [0], int(train.lengths[0]), 1)
+    assert input_ids.dtype == torch.long and input_ids[0].tolist() == common.sample_tokens(train, 0).tolist()

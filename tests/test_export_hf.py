@@ -6,6 +6,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common
+import prepare_data
 from helpers import check, read_metrics, run_script, tree_hashes
 
 SCRIPTS = ["ddp_pretrain.py", "fsdp1_pretrain.py", "fsdp2_pretrain.py", "fsdp2_sft.py"]
@@ -56,9 +57,8 @@ def test_autotokenizer_on_the_export_gives_the_training_ids(exported, script):
 
 def held_out_question():
     """A built-in problem of the SFT's validation split (the tiny run's --val-fraction), never trained on."""
-    records = common.builtin_reasoning_records()
-    _, val_ids = common.split_train_val(list(range(len(records))), 0.002)
-    return records[val_ids[0]]["conversations"][0]["value"]
+    records = prepare_data.builtin_reasoning_records()
+    return records[common.validation_documents(len(records), 0.002)[0]]["conversations"][0]["value"]
 
 
 def test_pipeline_on_the_export_answers_as_generate_py_does(exported):

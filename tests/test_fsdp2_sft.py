@@ -4,7 +4,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import common
-from helpers import TINY_RUN, check, copy_checkpoint, read_metrics, run_script
+from helpers import SFT_DATA, TINY_RUN, check, copy_checkpoint, read_metrics, run_script
 
 NEW_ROWS = slice(common.EOT_ID + 1, common.EOT_ID + 1 + len(common.SPECIAL_TOKENS))
 
@@ -42,7 +42,7 @@ def test_sft_trains_on_assistant_tokens_only_and_resumes_exactly(tiny_run, tmp_p
     assert all(row["target_tokens"] < row["tokens"] for row in original.values())  # prompts carry no loss
     assert sorted(val) == [0, 10, 20] and val[20] < val[0]
     resumed_dir = copy_checkpoint(out, 10, tmp_path)
-    check(run_script("fsdp2_sft.py", *TINY_RUN, "--eval-generate", 8, "--out-dir", resumed_dir, "--resume", nproc=2))
+    check(run_script("fsdp2_sft.py", *TINY_RUN, *SFT_DATA, "--eval-generate", 8, "--out-dir", resumed_dir, "--resume", nproc=2))
     resumed, _ = read_metrics(resumed_dir)
     assert sorted(resumed) == list(range(11, 21))
     for step in range(11, 21):

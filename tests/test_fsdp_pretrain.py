@@ -88,10 +88,11 @@ def test_resume_from_step_10_reproduces_steps_11_to_20_and_the_optimizer_moments
 
 @pytest.mark.parametrize("script", FSDP_SCRIPTS)
 def test_checkpoint_from_2_ranks_resumes_on_1_rank(script, tiny_run, tmp_path):
-    """DCP reshards on load. With twice the tokens per batch, 1 rank sees the same global batches as 2 did."""
+    """DCP reshards on load. With two micro-batches, 1 rank takes the same global batches as 2 ranks did: the same
+    data order (a change of the global batch is refused), micro-batch m being what rank m fed."""
     out, _ = tiny_run(script)
     resumed_dir = copy_checkpoint(out, 10, tmp_path)
-    result = check(run_script(script, *TINY_RUN, "--tokens-per-batch", 1024, "--out-dir", resumed_dir, "--resume", nproc=1))
+    result = check(run_script(script, *TINY_RUN, "--grad-accum", 2, "--out-dir", resumed_dir, "--resume", nproc=1))
     assert "at step 10" in result.stdout
     original, _ = read_metrics(out)
     resumed, _ = read_metrics(resumed_dir)

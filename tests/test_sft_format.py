@@ -9,6 +9,7 @@ import pandas
 import pytest
 
 import common
+import prepare_data
 
 IGNORE = common.IGNORE_INDEX
 S = common.SPECIAL_TOKENS
@@ -59,16 +60,16 @@ def test_a_message_cannot_forge_a_turn_or_a_reasoning_marker(tokenizer):
 
 
 def test_literal_reasoning_markers_in_builtin_replies_become_special_tokens(tokenizer):
-    record = common.builtin_reasoning_records(1)[0]
-    tokens, labels = common.encode_conversation(tokenizer, common.conversation_messages(record, "builtin"))
+    record = prepare_data.builtin_reasoning_records(1)[0]
+    tokens, labels = common.encode_conversation(tokenizer, prepare_data.conversation_messages(record, "builtin"))
     for marker in common.REASONING_MARKERS:
         assert tokens.count(S[marker]) == 1 and labels[tokens.index(S[marker])] == S[marker]
     assert common.solution_text(tokenizer, tokens) == record["conversations"][1]["value"].split("\n\n")[-2]
 
 
 def test_builtin_reasoning_set_is_deterministic_and_correct():
-    records = common.builtin_reasoning_records(300, seed=3)
-    assert records == common.builtin_reasoning_records(300, seed=3)
+    records = prepare_data.builtin_reasoning_records(300, seed=3)
+    assert records == prepare_data.builtin_reasoning_records(300, seed=3)
     questions = [r["conversations"][0]["value"] for r in records]
     assert len(set(questions)) == 300
     for record in records:
@@ -99,11 +100,17 @@ def test_openthoughts_and_messages_schemas_load_to_the_same_samples(tmp_path, to
         splits[name] = common.load_sft_data(sft_args(tmp_path, tmp_path / name), tokenizer)
     a, b = splits.values()
     for split_a, split_b in zip(a, b):
-        assert [t.tolist() for t in split_a.tokens] == [t.tolist() for t in split_b.tokens]
-        assert [l.tolist() for l in split_a.labels] == [l.tolist() for l in split_b.labels]
-    assert len(a[0].tokens) == 6 and len(a[1].tokens) == 2
+        assert np.array_equal(split_a.tokens, split_b.tokens) and np.array_equal(split_a.mask, split_b.mask)
+        assert np.array_equal(split_a.starts, split_b.starts) and np.array_equal(split_a.target_counts, split_b.target_counts)
+    assert len(a[0].lengths) == 6 and len(a[1].lengths) == 2
     reply_lengths = {len(tokenizer.encode(turns[1][1], allowed_special="all")) + 1 for _, turns in conversations}  # + end marker
-    assert set(a[0].target_counts) <= reply_lengths
+    assert set(a[0].target_counts.tolist()) <= reply_lengths
+    # The loss mask is exactly the labels of the chat format: assistant text and its end marker.
+    tokens = common.sample_tokens(a[0], 0).tolist()
+    labels = [token if a[0].mask[a[0].starts[0] + j] else IGNORE for j, token in enumerate(tokens)]
+    messages = next(prepare_data.conversation_messages(row, "x") for row in openthoughts
+                    if common.encode_conversation(tokenizer, prepare_data.conversation_messages(row, "x"))[0] == tokens)
+    assert common.encode_conversation(tokenizer, messages) == (tokens, labels)
 
 
 def test_a_wrong_schema_is_a_usage_error(tmp_path, tokenizer):

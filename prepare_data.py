@@ -1,0 +1,357 @@
+"""Tokenize a corpus once into memory-mapped files: what the training scripts read, at any scale.
+
+    python prepare_data.py --data HuggingFaceFW/fineweb-edu --data-config sample-10BT --max-docs 0 --out-dir data/fineweb-edu-10BT
+    torchrun --standalone --nproc_per_node=8 fsdp2_pretrain.py --model qwen2-0.5b --data data/fineweb-edu-10BT
+    python prepare_data.py --sft --data open-thoughts/OpenThoughts-114k --max-docs 0 --out-dir data/openthoughts
+
+A prepared folder holds
+    tokens.bin       uint16 token ids, the documents one after another (pretraining: each followed by <|endoftext|>)
+    doc_offsets.npy  int64: document i is tokens[doc_offsets[i]:doc_offsets[i + 1]]
+    loss_mask.bin    (--sft only) uint8 beside the tokens: 1 where a token is a target (assistant text, its end marker)
+    meta.json        format version, tokenizer and its BPE hashes, the source, counts, each file's size and sha256
+The folder is written under a hidden partial name, meta.json last, and renamed into place only when complete: an
+interrupted preparation leaves nothing that training accepts. The bytes are the same for any --workers.
+
+The training scripts take such a folder as --data and memory-map it, so a rank's memory does not grow with the
+corpus. Given any other --data (builtin, files, a hub name), they prepare it themselves into --cache-dir, once
+per machine. Sources: 'builtin', local .txt (a document per file), .jsonl/.json (a document per row), .parquet
+(read a record batch at a time), a folder of one of these kinds, or a Hugging Face hub dataset (streamed).
+"""
+import argparse
+import functools
+import hashlib
+import itertools
+import json
+import multiprocessing
+import os
+import shutil
+import socket
+import sys
+from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+import common
+
+BATCH_ROWS = 1024  # rows per tokenization task: enough to amortize the hand-off, small enough to bound memory
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading: batches (lists) of rows, never a whole corpus as Python objects.
+
+def builtin_documents():
+    """Real English prose that ships with every CPython: the interpreter's help topics (pydoc_data)
+    and the longer docstrings of the standard library, one document per module."""
+    import ast
+    import sysconfig
+
+    import pydoc_data.topics
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    documents = [pydoc_data.topics.topics[name] for name in sorted(pydoc_data.topics.topics)]
+    for path in sorted(stdlib.rglob("*.py")):
+        parts = path.relative_to(stdlib).parts
+        if parts[0] in ("site-packages", "test", "idlelib", "lib2to3", "tkinter") or "tests" in parts:
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        docstrings = [ast.get_docstring(node) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+        docstrings = [doc for doc in docstrings if doc and len(doc) >= 200]  # short ones are mostly boilerplate
+        if docstrings:
+            documents.append("\n\n".join(docstrings))
+    return documents
+
+
+def builtin_reasoning_records(n=10_000, seed=0):
+    """A generated reasoning set in the OpenThoughts format, deterministic by seed: chains of three
+    single-digit additions and subtractions whose results stay within 0..9, no problem twice. Each thought
+    step does one operation and carries the rest (6 + 2 = 8, so 8 - 6 - 1; ...): every result sits right
+    after its operands, and the solution is "The answer is 1.". One chain length on purpose: a 4-layer
+    model learns to copy operands by position, and a rarer length is what it then gets wrong."""
+    import random
+
+    assert n <= 12_000, "there are 13,310 distinct problems; ask for fewer"  # 10 * 11**3: 11 choices per step
+    rng, records, seen = random.Random(seed), [], set()
+    while len(records) < n:
+        value = rng.randint(0, 9)
+        terms = [str(value)]
+        for _ in range(3):
+            op = rng.choice("+-")
+            operand = rng.randint(0, 9 - value) if op == "+" else rng.randint(0, value)  # results stay within 0..9
+            value = value + operand if op == "+" else value - operand
+            terms += [op, str(operand)]
+        question = f"Compute {' '.join(terms)}."
+        if question in seen:
+            continue
+        seen.add(question)
+        steps = []
+        while len(terms) > 1:
+            first, op, operand = int(terms[0]), terms[1], int(terms[2])
+            terms = [str(first + operand if op == "+" else first - operand), *terms[3:]]
+            steps.append(f"{first} {op} {operand} = {terms[0]}" + (f", so {' '.join(terms)}" if len(terms) > 1 else ""))
+        thoughts = "First, " + "; ".join(steps)  # a word first, so every number is the same " 5" token as in the question
+        answer = (f"<|begin_of_thought|>\n\n{thoughts}\n\n<|end_of_thought|>\n\n"
+                  f"<|begin_of_solution|>\n\nThe answer is {value}.\n\n<|end_of_solution|>")
+        records.append({"system": common.BUILTIN_SYSTEM_PROMPT, "conversations": [
+            {"from": "user", "value": question}, {"from": "assistant", "value": answer}]})
+    return records
+
+
+def looks_local(data):
+    return os.path.exists(os.path.expanduser(data)) or data.startswith((".", "/", "~")) or data.endswith(common.DATA_SUFFIXES)
+
+
+def data_files(data):
+    """The local files --data names, checked: they exist, are of one kind, and are not all empty."""
+    path = Path(data).expanduser()
+    if not path.exists():
+        raise common.UsageError(f"--data {data} does not exist: pass an existing file or folder, a hub dataset name, or 'builtin'")
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in common.DATA_SUFFIXES and p.is_file())
+    if not files:
+        raise common.UsageError(f"--data {data} holds no {'/'.join(common.DATA_SUFFIXES)} files")
+    if all(f.stat().st_size == 0 for f in files):
+        raise common.UsageError(f"--data {data} {'is an empty file' if path.is_file() else 'holds only empty files'}: point it at data")
+    suffixes = {f.suffix for f in files}
+    if len(suffixes) > 1:
+        raise common.UsageError(f"--data {data} mixes file types ({', '.join(sorted(suffixes))}): point it at one kind")
+    return files
+
+
+def batched(rows, size=BATCH_ROWS):
+    iterator = iter(rows)
+    while batch := list(itertools.islice(iterator, size)):
+        yield batch
+
+
+def read_file(path, text_field):
+    """Batches of rows of one local file. A .txt file is one document; .json is a list of rows or JSON lines."""
+    if path.suffix == ".txt":
+        yield [{text_field: path.read_text(encoding="utf-8")}]
+    elif path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        parquet = pq.ParquetFile(path)
+        columns = [text_field] if text_field in parquet.schema_arrow.names else None  # pretraining reads one column
+        for record_batch in parquet.iter_batches(batch_size=BATCH_ROWS, columns=columns):
+            yield record_batch.to_pylist()
+    else:
+        with open(path, encoding="utf-8") as lines:
+            if path.suffix == ".json" and lines.read(1) == "[":  # a JSON array of rows: read whole (large corpora use .jsonl)
+                lines.seek(0)
+                yield from batched(json.load(lines))
+                return
+            lines.seek(0)
+            yield from batched(json.loads(line) for line in lines if line.strip())
+
+
+def read_rows(args):
+    """Batches of rows (dicts) of --data: local files one batch at a time, or a hub dataset, streamed."""
+    if not looks_local(args.data):
+        import datasets
+
+        datasets.disable_progress_bars()
+        try:  # streamed, so that only the documents we take are downloaded
+            rows = datasets.load_dataset(args.data, args.data_config, split="train", streaming=True)
+            yield from batched(rows.take(args.max_docs) if args.max_docs else rows)
+        except Exception as error:
+            raise common.UsageError(f"--data {args.data} could not be loaded from the Hugging Face hub ({common.error_reason(error)}): "
+                                    f"check the name, --data-config and the network") from None
+        return
+    for path in data_files(args.data):
+        try:
+            for rows in read_file(path, args.text_field):
+                if not all(isinstance(row, dict) for row in rows):
+                    raise ValueError("a row is not a JSON object")
+                yield rows
+        except common.UsageError:
+            raise
+        except Exception as error:  # UnicodeDecodeError, a broken JSON line, a file that is not parquet: one line, the file named
+            raise common.UsageError(f"--data {args.data} could not be read ({path.name}: {common.error_reason(error)})") from None
+
+
+def pretraining_texts(args):
+    """Batches of document texts. Rows whose --text-field is empty, blank or not text are skipped."""
+    if args.data == "builtin":
+        yield builtin_documents()
+        return
+    for rows in read_rows(args):
+        if rows and args.text_field not in rows[0]:
+            raise common.UsageError(f"--data {args.data} has no column '{args.text_field}' (columns: {', '.join(rows[0])}): set --text-field")
+        yield [row[args.text_field] for row in rows if isinstance(row.get(args.text_field), str) and row[args.text_field].strip()]
+
+
+def conversation_messages(row, data):
+    """[(role, text), ...] from a row in the OpenThoughts schema (system + conversations of {from, value})
+    or the messages schema ({role, content})."""
+    if isinstance(row.get("conversations"), list):
+        messages = [("system", row["system"])] if row.get("system") else []
+        turns = [(turn.get("from"), turn.get("value")) for turn in row["conversations"]]
+        messages += [({"human": "user", "gpt": "assistant"}.get(role, role), text) for role, text in turns]
+    elif isinstance(row.get("messages"), list):
+        messages = [(turn.get("role"), turn.get("content")) for turn in row["messages"]]
+    else:
+        raise common.UsageError(f"--data {data}: a row has neither 'conversations' (OpenThoughts) nor 'messages' (columns: {', '.join(row)})")
+    for role, text in messages:
+        if role not in common.ROLE_MARKERS or not isinstance(text, str):
+            raise common.UsageError(f"--data {data}: a turn has role {role!r} (expected system, user or assistant) or no text")
+    if not any(role == "assistant" for role, _ in messages):
+        raise common.UsageError(f"--data {data}: a conversation has no assistant turn, so nothing to learn from")
+    return messages
+
+
+def sft_conversations(args):
+    """Batches of conversations [(role, text), ...], each row checked against the two schemas."""
+    batches = batched(builtin_reasoning_records()) if args.data == "builtin" else read_rows(args)
+    for rows in batches:
+        yield [conversation_messages(row, args.data) for row in rows]
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizing: in worker processes, a batch at a time; results come back in order.
+
+@functools.cache
+def encoding(name):
+    return common.get_tokenizer() if name == "gpt2" else common.get_chat_tokenizer()
+
+
+def encode_documents(texts):
+    """Token ids of a batch of documents, each followed by <|endoftext|>, and each one's length."""
+    ids = encoding("gpt2").encode_ordinary_batch(texts, num_threads=1)  # the pool is the parallelism
+    lengths = np.fromiter((len(doc) + 1 for doc in ids), dtype=np.int64, count=len(ids))
+    tokens = np.fromiter(itertools.chain.from_iterable(itertools.chain(doc, (common.EOT_ID,)) for doc in ids),
+                         dtype=np.int64, count=int(lengths.sum()))
+    return tokens, None, lengths
+
+
+def encode_conversations(conversations):
+    """Token ids, loss mask (1: a target) and length of each conversation, in the SFT chat format."""
+    encoded = [common.encode_conversation(encoding("gpt2-chat"), messages) for messages in conversations]
+    lengths = np.array([len(tokens) for tokens, _ in encoded], dtype=np.int64)
+    tokens = np.fromiter(itertools.chain.from_iterable(tokens for tokens, _ in encoded), dtype=np.int64, count=int(lengths.sum()))
+    labels = np.fromiter(itertools.chain.from_iterable(labels for _, labels in encoded), dtype=np.int64, count=len(tokens))
+    return tokens, (labels != common.IGNORE_INDEX).astype(np.uint8), lengths
+
+
+def ordered_map(function, batches, workers):
+    """function(batch) for every batch, in order, on `workers` processes, with at most 2 x workers batches in flight
+    (Pool.imap would read the whole corpus ahead into its queue). The processes are forked: the training scripts
+    call this from a module with no __main__ guard, which a spawned process would run again."""
+    if workers == 1:
+        yield from map(function, batches)
+        return
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        pending = deque()
+        for batch in batches:
+            pending.append(pool.submit(function, batch))
+            if len(pending) > 2 * workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+
+def as_uint16(tokens):
+    """The ids as uint16, the file's type; an id that does not fit is an error, never a silent wrap-around."""
+    if len(tokens) and (tokens.min() < 0 or tokens.max() > np.iinfo(np.uint16).max):
+        raise ValueError(f"token id {int(tokens.max())} does not fit in uint16 (at most 65,535): tokens.bin cannot hold this vocabulary")
+    return tokens.astype(np.uint16)
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing: a hidden partial folder, meta.json last, then one rename.
+
+def source_identity(args, kind):
+    """What the prepared tokens are a function of: --cache-dir names its folders by this."""
+    if args.data == "builtin":  # the pretraining text comes from this very interpreter; the SFT set from its generator
+        source = ["builtin", sys.version] if kind == "pretrain" else ["builtin", hashlib.sha256(json.dumps(builtin_reasoning_records()).encode()).hexdigest()]
+    elif looks_local(args.data) and Path(args.data).expanduser().exists():
+        source = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in data_files(args.data)]
+    else:
+        source = [args.data, args.data_config, args.max_docs]
+    return {"data": args.data, "identity": source, "text_field": args.text_field}
+
+
+def remove_stale_partials(out_dir):
+    """Partial folders of preparations on this machine whose process is gone (killed): never complete, only disk."""
+    host = socket.gethostname()
+    for partial in out_dir.parent.glob(f".{out_dir.name}.partial-{host}-*"):
+        pid = partial.name.rsplit("-", 1)[-1]
+        try:
+            os.kill(int(pid), 0)
+        except (ValueError, ProcessLookupError):
+            shutil.rmtree(partial, ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            pass
+
+
+def prepare(args, kind, out_dir, workers, progress=True):
+    """Tokenize --data into the prepared folder out_dir (kind: "pretrain" or "sft"). Returns its meta."""
+    from tqdm import tqdm
+
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_partials(out_dir)
+    partial = out_dir.with_name(f".{out_dir.name}.partial-{socket.gethostname()}-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    batches, encode = (pretraining_texts(args), encode_documents) if kind == "pretrain" else (sft_conversations(args), encode_conversations)
+    names = ["tokens.bin"] + (["loss_mask.bin"] if kind == "sft" else [])
+    digests, lengths = {name: hashlib.sha256() for name in names}, []
+    try:
+        files = {name: open(partial / name, "wb") for name in names}
+        with tqdm(desc=f"tokenizing {args.data}", unit="tok", unit_scale=True, disable=not progress, mininterval=1) as bar:
+            for tokens, mask, doc_lengths in ordered_map(encode, batches, workers):
+                for name, array in zip(names, (as_uint16(tokens), mask)):  # pretraining: tokens.bin only
+                    files[name].write(array)
+                    digests[name].update(array)
+                lengths.append(doc_lengths)
+                bar.update(len(tokens))
+        for file in files.values():
+            file.close()
+        offsets = np.concatenate([[0], np.cumsum(np.concatenate(lengths or [np.zeros(0, np.int64)]))]).astype(np.int64)
+        if len(offsets) == 1:
+            what = "documents" if kind == "pretrain" else "conversations"
+            raise common.UsageError(f"--data {args.data} holds no {what}: check the path, --data-config and --text-field")
+        np.save(partial / "doc_offsets.npy", offsets)
+        digests["doc_offsets.npy"] = hashlib.sha256((partial / "doc_offsets.npy").read_bytes())
+        files = {name: {"bytes": (partial / name).stat().st_size, "sha256": digest.hexdigest()} for name, digest in digests.items()}
+        meta = {"format": common.PREPARED_FORMAT, "version": common.PREPARED_VERSION, "kind": kind,
+                "tokenizer": common.tokenizer_identity(encoding("gpt2" if kind == "pretrain" else "gpt2-chat")),
+                "source": source_identity(args, kind), "documents": len(offsets) - 1, "tokens": int(offsets[-1]), "files": files,
+                "content_sha256": hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()}  # names the data in checkpoints
+        (partial / "meta.json").write_text(json.dumps(meta, indent=2))  # last: a folder without it is not complete
+        try:
+            os.rename(partial, out_dir)
+        except OSError:  # another process (a node sharing --cache-dir) finished the same folder first: keep theirs
+            if not (out_dir / "meta.json").is_file():
+                raise
+            shutil.rmtree(partial)
+        return meta
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_data_arguments(parser.add_argument)
+    parser.add_argument("--out-dir", required=True, help="the prepared folder to write (must not exist yet)")
+    parser.add_argument("--sft", action="store_true", help="conversations for fsdp2_sft.py (tokens plus a loss mask), not pretraining text")
+    parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+                        help="tokenizing processes (default: every core)")
+    args = parser.parse_args()
+    if args.workers < 1:
+        raise common.UsageError("--workers must be at least 1")
+    if Path(args.out_dir).exists():
+        raise common.UsageError(f"--out-dir {args.out_dir} already exists: choose a new folder (a prepared folder is never overwritten)")
+    import time
+
+    start = time.perf_counter()
+    meta = prepare(args, "sft" if args.sft else "pretrain", args.out_dir, args.workers)
+    seconds = time.perf_counter() - start
+    print(f"prepared {meta['documents']:,} {'conversations' if args.sft else 'documents'}, {meta['tokens']:,} tokens in {seconds:.1f} s "
+          f"({meta['tokens'] / seconds:,.0f} tokens/s, {args.workers} workers) into {args.out_dir}")

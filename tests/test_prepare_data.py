@@ -1,0 +1,118 @@
+"""prepare_data.py: a corpus tokenized once into memory-mapped files, byte for byte the same for any worker count,
+never half-written, and refused when it was made by another format or tokenizer."""
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import common
+import prepare_data
+from helpers import PYTHON, REPO, TINY_RUN, check, run_script
+
+WORDS = "the interpreter reads 42 lines of code, naïve café 東京 🙂 def f(x): return x ** 2\n\nand then".split(" ")
+
+
+def write_parquet(path, n_docs, seed=0, words_per_doc=(1, 400)):
+    """Documents of random words and lengths, plus rows a preparation must skip: blank, empty and not text."""
+    rng = np.random.default_rng(seed)
+    texts = [" ".join(rng.choice(WORDS, size=rng.integers(*words_per_doc))) for _ in range(n_docs)]
+    texts[1], texts[2], texts[3] = "   \n ", "", None
+    pq.write_table(pa.table({"text": texts, "id": list(range(n_docs))}), path, row_group_size=700)
+    return texts
+
+
+def args_for(data, *flags):
+    return common.finalize_args(common.get_parser("", "runs/x").parse_args(["--model", "tiny", "--data", str(data), *map(str, flags)]))
+
+
+def sha256(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """A 3,000-document parquet file prepared in process with 1 worker, and with the command line and 2 workers."""
+    tmp = tmp_path_factory.mktemp("prepare")
+    texts = write_parquet(tmp / "docs.parquet", 3000)
+    prepare_data.prepare(args_for(tmp / "docs.parquet"), "pretrain", tmp / "one", workers=1, progress=False)
+    result = check(run_script("prepare_data.py", "--data", tmp / "docs.parquet", "--out-dir", tmp / "two", "--workers", 2, torchrun=False))
+    return tmp, texts, result
+
+
+def test_prepared_bytes_are_the_same_for_1_and_2_workers_and_equal_tiktoken(prepared):
+    tmp, texts, result = prepared
+    for name in ("tokens.bin", "doc_offsets.npy"):
+        assert sha256(tmp / "one" / name) == sha256(tmp / "two" / name)
+    tokenizer = common.get_tokenizer()
+    kept = [text for text in texts if isinstance(text, str) and text.strip()]  # blank, empty and missing rows skipped
+    expected = [token for text in kept for token in [*tokenizer.encode_ordinary(text), common.EOT_ID]]
+    tokens, offsets = np.fromfile(tmp / "one" / "tokens.bin", dtype=np.uint16), np.load(tmp / "one" / "doc_offsets.npy")
+    assert tokens.tolist() == expected and len(offsets) == len(kept) + 1 and offsets[-1] == len(tokens)
+    assert (tokens[offsets[1:] - 1] == common.EOT_ID).all()  # every document ends with <|endoftext|>
+    meta = json.loads((tmp / "two" / "meta.json").read_text())
+    assert meta["documents"] == len(kept) and meta["tokens"] == len(expected) and meta["files"]["tokens.bin"]["sha256"] == sha256(tmp / "two" / "tokens.bin")
+    assert f"{len(expected):,} tokens" in result.stdout
+
+
+def test_training_reads_a_prepared_folder_as_it_reads_its_source(prepared):
+    tmp, _, _ = prepared
+    from_folder = common.load_pretraining_data(args_for(tmp / "two"), common.get_tokenizer())
+    from_source = common.load_pretraining_data(args_for(tmp / "docs.parquet", "--cache-dir", tmp / "cache"), common.get_tokenizer())
+    for a, b in zip(from_folder, from_source):
+        assert np.array_equal(a.starts, b.starts) and np.array_equal(a.lengths, b.lengths) and a.content_sha256 == b.content_sha256
+    assert isinstance(from_folder[0].tokens, np.memmap) and Path(from_folder[0].tokens.filename) == tmp / "two" / "tokens.bin"
+
+
+@pytest.mark.parametrize("change,words", [
+    (lambda meta: meta.update(version=0), "format"),
+    (lambda meta: meta["tokenizer"]["special_tokens"].update({"<|other|>": 50257}), "another tokenizer"),
+    (lambda meta: meta.update(kind="sft"), "holds sft data"),
+])
+def test_a_folder_of_another_format_tokenizer_or_kind_is_refused_in_one_line(change, words, prepared, tmp_path):
+    folder = shutil.copytree(prepared[0] / "one", tmp_path / "copy")
+    meta = json.loads((folder / "meta.json").read_text())
+    change(meta)
+    (folder / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(common.UsageError) as error:
+        common.load_pretraining_data(args_for(folder), common.get_tokenizer())
+    assert str(error.value).startswith(f"--data {folder}") and words in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_token_id_that_does_not_fit_uint16_cannot_be_written():
+    assert prepare_data.as_uint16(np.array([0, 65_535])).tolist() == [0, 65_535]
+    with pytest.raises(ValueError, match="65,535"):
+        prepare_data.as_uint16(np.array([5, 65_536]))
+
+
+def test_a_killed_preparation_leaves_no_folder_that_training_accepts(tmp_path):
+    write_parquet(tmp_path / "big.parquet", 40_000, words_per_doc=(300, 500))  # a few seconds of work
+    out_dir = tmp_path / "prepared"
+    process = subprocess.Popen([PYTHON, str(REPO / "prepare_data.py"), "--data", str(tmp_path / "big.parquet"), "--out-dir", str(out_dir),
+                                "--workers", "1"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while not any(p.stat().st_size for p in tmp_path.glob(".prepared.partial-*/tokens.bin")) and time.time() < deadline:
+        time.sleep(0.05)
+    os.kill(process.pid, signal.SIGKILL)  # mid-write: tokens.bin has grown, meta.json is not there yet
+    process.wait()
+    partial = next(tmp_path.glob(".prepared.partial-*"))
+    assert not out_dir.exists() and (partial / "tokens.bin").stat().st_size > 0 and not (partial / "meta.json").exists()
+    with pytest.raises(common.UsageError, match="not a complete prepared folder"):
+        common.load_pretraining_data(args_for(partial), common.get_tokenizer())
+    prepare_data.remove_stale_partials(out_dir)  # what the next preparation does first: its process is gone
+    assert not partial.exists()
+
+
+def test_the_tiny_runs_corpus_crosses_an_epoch_boundary_between_its_checkpoints():
+    """What makes every resume test from step 10 cross an epoch (helpers.TINY_RUN)."""
+    args = common.finalize_args(common.get_parser("", "runs/x").parse_args(list(map(str, TINY_RUN))))
+    train, _ = common.load_pretraining_data(args, common.get_tokenizer())
+    assert 10 < len(common.epoch_schedule(train.lengths, args.buckets, args.tokens_per_batch, 2, 1, args.seed, 0)) < 20

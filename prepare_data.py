@@ -28,7 +28,6 @@ import shutil
 import socket
 import sys
 from collections import deque
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -239,19 +238,20 @@ def encode_conversations(conversations):
 
 def ordered_map(function, batches, workers):
     """function(batch) for every batch, in order, on `workers` processes, with at most 2 x workers batches in flight
-    (Pool.imap would read the whole corpus ahead into its queue). The processes are forked: the training scripts
-    call this from a module with no __main__ guard, which a spawned process would run again."""
+    (Pool.imap would read the whole corpus ahead into its queue). The processes are forked (the training scripts
+    call this from a module with no __main__ guard, which a spawned process would run again), and before the
+    first batch is read, so that they do not inherit the reader's buffers."""
     if workers == 1:
         yield from map(function, batches)
         return
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+    with multiprocessing.get_context("fork").Pool(workers) as pool:
         pending = deque()
         for batch in batches:
-            pending.append(pool.submit(function, batch))
+            pending.append(pool.apply_async(function, (batch,)))
             if len(pending) > 2 * workers:
-                yield pending.popleft().result()
+                yield pending.popleft().get()
         while pending:
-            yield pending.popleft().result()
+            yield pending.popleft().get()
 
 
 def as_uint16(tokens):

@@ -30,6 +30,7 @@ parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.R
 parser.add_argument("--corpus", required=True, help="a folder of parquet shards (benchmarks/make_corpus.py)")
 parser.add_argument("--work-dir", required=True, help="prepared folders and runs go here")
 parser.add_argument("--skip-prepare", action="store_true", help="reuse the prepared folders of an earlier run")
+parser.add_argument("--only-prepare", action="store_true", help="measure the preparation only")
 cli = parser.parse_args()
 work = Path(cli.work_dir)
 work.mkdir(parents=True, exist_ok=True)
@@ -42,6 +43,15 @@ def status(pid, field):
     try:
         with open(f"/proc/{pid}/status") as lines:
             return next(int(line.split()[1]) * 1024 for line in lines if line.startswith(field + ":"))
+    except (OSError, StopIteration):
+        return 0
+
+
+def proportional(pid):
+    """Proportional set size in bytes: shared pages (the forked workers share the parent's) split among their sharers."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as lines:
+            return next(int(line.split()[1]) * 1024 for line in lines if line.startswith("Pss:"))
     except (OSError, StopIteration):
         return 0
 
@@ -59,6 +69,7 @@ def descendants(pid):
 def run_watched(command, watch):
     """Run command; every 0.1 s call watch(pid of the command). Returns (seconds, stdout)."""
     start = time.perf_counter()
+    command = [str(part) for part in command]
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     while process.poll() is None:
         watch(process.pid)
@@ -75,19 +86,22 @@ digests = {}
 for workers in (1, 2):
     out = work / f"prepared-{workers}"
     if not cli.skip_prepare:
-        peak = {"tree": 0, "process": 0}
+        peak = {"tree": 0, "process": 0, "pss": 0}
 
         def watch(pid):
             sizes = [status(p, "VmRSS") for p in [pid, *descendants(pid)]]
-            peak.update(tree=max(peak["tree"], sum(sizes)), process=max(peak["process"], max(sizes)))
+            peak.update(tree=max(peak["tree"], sum(sizes)), process=max(peak["process"], max(sizes)),
+                        pss=max(peak["pss"], sum(proportional(p) for p in [pid, *descendants(pid)])))
 
         subprocess.run(["rm", "-rf", str(out)], check=True)
         seconds, stdout = run_watched([sys.executable, "prepare_data.py", "--data", cli.corpus, "--out-dir", out, "--workers", workers], watch)
         tokens = json.loads((out / "meta.json").read_text())["tokens"]
         rows.append((f"prepare, {workers} worker{'s' * (workers > 1)}", f"{tokens / seconds / 1e6:.2f}M tokens/s ({tokens:,} tokens, {seconds:.0f} s)",
-                     f"peak RSS {peak['tree'] / 1e9:.2f} GB all processes, {peak['process'] / 1e9:.2f} GB the largest"))
+                     f"peak RSS {peak['tree'] / 1e9:.2f} GB all processes (PSS {peak['pss'] / 1e9:.2f} GB), {peak['process'] / 1e9:.2f} GB the largest"))
     digests[workers] = {name: hashlib.sha256((out / name).read_bytes()).hexdigest()[:16] for name in ("tokens.bin", "doc_offsets.npy")}
 rows.append(("same bytes for 1 and 2 workers", str(digests[1] == digests[2]), json.dumps(digests[2])))
+if cli.only_prepare:
+    sys.exit("\n".join(f"{name}: {figure}; {detail}" for name, figure, detail in rows))
 
 # ---------------------------------------------------------------------------------------------- index and schedule
 args = common.finalize_args(common.get_parser("", "runs/x").parse_args(["--model", "qwen2-0.5b", "--data", str(work / "prepared-2")]))

@@ -3,7 +3,6 @@ LR schedule and metrics. Everything strategy-specific (wrapping, checkpoints, cl
 lives in the scripts themselves, written out in full, so that `diff` between them is the lesson.
 """
 import argparse
-import ast
 import functools
 import hashlib
 import json
@@ -11,7 +10,6 @@ import math
 import os
 import resource
 import sys
-import sysconfig
 import warnings
 from pathlib import Path
 from typing import NamedTuple
@@ -70,18 +68,24 @@ MODEL_PRESETS = {
         model=dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
         train=dict(buckets="32,48,64,96,128", tokens_per_batch=512, lr=3e-3, warmup_steps=5, max_steps=20, eval_every=10, save_every=10),
         sft=dict(buckets="64,96,128", tokens_per_batch=512, lr=1e-3, warmup_steps=5, max_steps=20, eval_every=10, save_every=10),
+        grpo=dict(buckets="72", tokens_per_batch=512, lr=1e-4, warmup_steps=2, max_steps=20, eval_every=10, save_every=10, prompts_per_step=1),
     ),
     # The default: learns visibly in a few minutes on a 2-core laptop CPU.
     "small": dict(
         model=dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2),
         train=dict(buckets="32,48,64,96,128,192,256", tokens_per_batch=1024, lr=3e-3, warmup_steps=10, max_steps=120, eval_every=40, save_every=40),
-        sft=dict(buckets="68,96", tokens_per_batch=512, lr=3e-3, warmup_steps=30, max_steps=1000, eval_every=500, save_every=500),
+        sft=dict(buckets="68,96", tokens_per_batch=512, lr=3e-3, warmup_steps=30, max_steps=2000, eval_every=500, save_every=1000),
+        # RL starts from the SFT half-way (step 1000 of 2000), which answers part of the problems: the reward has room to teach.
+        # A constant rate: decayed, or 1.5x higher, it ended lower in the same 10 minutes (README, "Reinforcement learning").
+        grpo=dict(buckets="72", tokens_per_batch=2304, lr=1e-4, min_lr_ratio=1.0, warmup_steps=5, max_steps=130, eval_every=50, save_every=65,
+                  prompts_per_step=4, init_from="runs/fsdp2_sft/checkpoints/step_1000"),
     ),
     # The recipe: Qwen2-0.5B shapes with the GPT-2 vocabulary (402,970,496 parameters, tied embeddings).
     "qwen2-0.5b": dict(
         model=dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2),
         train=dict(buckets="256,512,1024,1536,2048", tokens_per_batch=16384, lr=3e-4, warmup_steps=200, max_steps=5000, eval_every=250, save_every=500),
         sft=dict(buckets="512,1024,2048,4096,8192", tokens_per_batch=16384, lr=5e-5, warmup_steps=50, max_steps=2000, eval_every=250, save_every=500),
+        grpo=dict(buckets="4096", tokens_per_batch=16384, lr=1e-6, warmup_steps=10, max_steps=500, eval_every=50, save_every=100, prompts_per_step=8),
     ),
 }
 
@@ -95,8 +99,11 @@ def add_data_arguments(add):
     add("--max-docs", type=int, default=100_000, help="documents taken from a hub dataset, streamed (0: all); local files and builtin are read whole")
 
 
+INIT_FROM = {"sft": "fsdp2_pretrain", "grpo": "fsdp2_sft"}  # the script whose checkpoint each later stage starts from
+
+
 def get_parser(description, default_out_dir, stage="train"):
-    """One parser for every script, so a flag means the same thing everywhere. stage: "train" or "sft"."""
+    """One parser for every script, so a flag means the same thing everywhere. stage: "train", "sft" or "grpo"."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.set_defaults(stage=stage)  # picks the preset's pretraining or SFT defaults
     add = parser.add_argument
@@ -109,7 +116,7 @@ def get_parser(description, default_out_dir, stage="train"):
     add("--tokens-per-batch", type=int, default=None, help="tokens per micro-batch per rank; a bucket's batch size is this // its length (preset default)")
     add("--grad-accum", type=int, default=1, help="micro-batches per optimizer step on each rank")
     add("--lr", type=float, default=None, help="peak learning rate (preset default)")
-    add("--min-lr-ratio", type=float, default=0.1, help="the cosine decays to lr * this")
+    add("--min-lr-ratio", type=float, default=None, help="the cosine decays to lr * this (preset default: 0.1; GRPO's small preset 1, a constant rate)")
     add("--warmup-steps", type=int, default=None, help="linear warmup steps (preset default)")
     add("--max-steps", type=int, default=None, help="optimizer steps in the whole run (preset default)")
     add("--weight-decay", type=float, default=0.1, help="AdamW weight decay, on matrices only")
@@ -125,9 +132,13 @@ def get_parser(description, default_out_dir, stage="train"):
     add("--compile", action="store_true", help="torch.compile each decoder layer with static shapes: all layers share one graph per bucket length for training and one for evaluation")
     add("--activation-checkpointing", choices=["full", "selective"], default="full", help="full: keep only each decoder layer's input and recompute the layer in backward (least memory); selective: also keep the outputs of its matmuls and attention, recompute only the element-wise ops (more memory; no matmul runs twice, about a quarter less compute)")
     add("--bucket-order", choices=["shuffled", "ascending"], default="shuffled", help="order of the batches in an epoch: shuffled, or short buckets first (the original recipe)")
-    if stage == "sft":
-        add("--init-from", default=None, help="checkpoint of fsdp2_pretrain.py to start from (default: the newest under runs/fsdp2_pretrain)")
+    if stage in INIT_FROM:
+        source = INIT_FROM[stage]
+        add("--init-from", default=None, help=f"checkpoint of {source}.py to start from (default: the newest under runs/{source})")
         add("--eval-generate", type=int, default=200, help="held-out problems answered by greedy generation at each evaluation (answer accuracy)")
+    if stage == "grpo":
+        add("--group-size", type=int, default=8, help="replies sampled per prompt: each is rewarded against the others of its group")
+        add("--prompts-per-step", type=int, default=None, help="prompts per rank per optimizer step (preset default)")
 
     def error(message):  # argparse prints usage plus a line; we keep to one line, from rank 0 only
         if int(os.environ.get("RANK", 0)) == 0:
@@ -142,7 +153,7 @@ def finalize_args(args):
     """Fill preset defaults and check the batch math before anything heavy (or collective) happens."""
     if args.model not in MODEL_PRESETS:
         raise UsageError(f"unknown model preset '{args.model}': choose --model from {', '.join(MODEL_PRESETS)}")
-    for name, value in MODEL_PRESETS[args.model][args.stage].items():
+    for name, value in {"min_lr_ratio": 0.1, **MODEL_PRESETS[args.model][args.stage]}.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     try:
@@ -153,8 +164,8 @@ def finalize_args(args):
         raise UsageError("every bucket in --buckets must hold at least 2 tokens (one input, one target)")
     if args.tokens_per_batch < args.buckets[-1]:
         raise UsageError(f"--tokens-per-batch {args.tokens_per_batch} is smaller than the largest bucket ({args.buckets[-1]}): raise --tokens-per-batch or lower --buckets")
-    for flag in ("grad_accum", "max_steps", "eval_every", "save_every", "keep_last", "log_every"):
-        if getattr(args, flag) < 1:
+    for flag in ("grad_accum", "max_steps", "eval_every", "save_every", "keep_last", "log_every", "group_size", "prompts_per_step"):
+        if getattr(args, flag, 1) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be at least 1")
     if not 0 < args.val_fraction < 1:
         raise UsageError("--val-fraction must be between 0 and 1")
@@ -192,14 +203,15 @@ def build_model(preset, activation_checkpointing="full"):
     model.disable_input_require_grads()
     hf_forward = model.forward
 
-    def forward(input_ids=None, targets=None, **kwargs):
+    def forward(input_ids=None, targets=None, weights=None, **kwargs):
         """model(input_ids=..., targets=...) returns the summed loss over the targets, from logits made
-        a chunk at a time; without targets it is transformers' own forward (logits; generate() uses it).
-        Set on the model itself so that FSDP's and DDP's hooks around model(...) run as usual."""
+        a chunk at a time (weighted, if weights are given); without targets it is transformers' own forward
+        (logits; generate() uses it). Set on the model itself so that FSDP's and DDP's hooks around model(...)
+        run as usual."""
         if targets is None:
             return hf_forward(input_ids=input_ids, **kwargs)
         hidden = model.model(input_ids=input_ids).last_hidden_state
-        return chunked_cross_entropy(hidden, model.lm_head.weight, targets)
+        return chunked_cross_entropy(hidden, model.lm_head.weight, targets, weights)
 
     model.forward = forward
     return model
@@ -231,7 +243,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     backward has nothing left to do but scale: the same FLOPs as the plain loss, a fraction of its memory."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets):
+    def forward(ctx, hidden, weight, targets, row_weights=None):
         needs_grad = any(ctx.needs_input_grad[:2])
         loss = torch.zeros((), device=hidden.device, dtype=torch.float32)
         grad_hidden = torch.empty_like(hidden) if needs_grad else None
@@ -241,10 +253,13 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             chunk, chunk_targets = hidden[start:start + rows], targets[start:start + rows]
             logits = (chunk @ weight.T).float()  # in the compute dtype (bf16 under mixed precision), then fp32
             log_normalizer = logits.logsumexp(dim=-1)
-            loss += (log_normalizer - logits.gather(1, chunk_targets[:, None]).squeeze(1)).sum()
+            token_losses = log_normalizer - logits.gather(1, chunk_targets[:, None]).squeeze(1)
+            loss += (token_losses if row_weights is None else token_losses * row_weights[start:start + rows]).sum()
             if needs_grad:
                 grad_logits = logits.sub_(log_normalizer[:, None]).exp_()  # softmax, in place
                 grad_logits[torch.arange(len(chunk)), chunk_targets] -= 1
+                if row_weights is not None:  # GRPO: each position's loss weighs its advantage
+                    grad_logits *= row_weights[start:start + rows, None]
                 grad_logits = grad_logits.to(chunk.dtype)
                 grad_hidden[start:start + rows] = grad_logits @ weight
                 grad_weight += grad_logits.T @ chunk
@@ -255,15 +270,17 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_loss, grad_weight * grad_loss, None
+        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None
 
 
-def chunked_cross_entropy(hidden, weight, targets):
-    """Sum of -log p(target) over the positions whose target is not IGNORE_INDEX. Logits are made only at
-    those positions (padding, and prompts in SFT, cost nothing in the head) and a chunk at a time. Always eager:
-    --compile compiles the decoder layers only, and this has data-dependent shapes (which positions are targets)."""
+def chunked_cross_entropy(hidden, weight, targets, weights=None):
+    """Sum of -log p(target) over the positions whose target is not IGNORE_INDEX, each times its weight if weights
+    (broadcastable to targets) are given. Logits are made only at those positions (padding, and prompts in SFT,
+    cost nothing in the head) and a chunk at a time. Always eager: --compile compiles the decoder layers only, and
+    this has data-dependent shapes (which positions are targets)."""
     is_target = targets != IGNORE_INDEX
-    return ChunkedCrossEntropy.apply(hidden[is_target], weight, targets[is_target])
+    row_weights = None if weights is None else torch.broadcast_to(weights, targets.shape)[is_target].float()
+    return ChunkedCrossEntropy.apply(hidden[is_target], weight, targets[is_target], row_weights)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -728,6 +745,8 @@ def check_data(args, train, val, world_size, resume_dir):
     if not len(val.lengths):
         raise UsageError("the validation split is empty: use more --data or a larger --val-fraction")
     samples_per_step = [bucket_batch_size(args.tokens_per_batch, length) * args.grad_accum * world_size for length in args.buckets]
+    if getattr(args, "prompts_per_step", None):  # GRPO: its steps take prompts, prompts_per_step on each rank
+        samples_per_step = [args.prompts_per_step * world_size]
     args.data_order = {"data_sha256": train.content_sha256, "val_fraction": args.val_fraction, "buckets": args.buckets,
                        "bucket_order": args.bucket_order, "seed": args.seed, "samples_per_step": samples_per_step,
                        "tokens_per_batch": args.tokens_per_batch, "grad_accum": args.grad_accum, "world_size": world_size}
@@ -854,6 +873,14 @@ def answer_prompts(tokenizer, split, limit):
     return prompts, answers, longest + 16
 
 
+def group_advantages(rewards, group_size):
+    """GRPO's advantage: each reward minus the mean reward of its group (the replies to one prompt). Not divided by
+    the group's std: a group whose rewards are all equal teaches nothing and weighs exactly zero, and a group of
+    nearly equal rewards is not blown up (Dr. GRPO's argument)."""
+    groups = rewards.view(-1, group_size)
+    return (groups - groups.mean(1, keepdim=True)).flatten()
+
+
 def generate_replies(model, prompts, max_new_tokens, temperature=0.0, top_k=None, synced=False):
     """Continue every prompt (a list of token lists) with transformers' own generate, batched with left
     padding; stops at <|end_of_turn|>. synced=True keeps every rank stepping until all are done, as sharded
@@ -876,15 +903,18 @@ def generate_replies(model, prompts, max_new_tokens, temperature=0.0, top_k=None
 
 
 def find_init_checkpoint(args):
-    """--init-from for the SFT: a checkpoint folder of fsdp2_pretrain.py, or a run folder (its newest one)."""
-    path = Path(args.init_from or "runs/fsdp2_pretrain")
+    """--init-from: a checkpoint folder of the script this stage starts from (INIT_FROM), a run folder (its newest
+    one), or an export_hf.py folder (the SFT takes any; GRPO one exported from fsdp2_sft.py)."""
+    source = INIT_FROM[args.stage]
+    path = Path(args.init_from or f"runs/{source}")
     checkpoint_dir = newest_checkpoint(path)
     if checkpoint_dir is None:
-        raise UsageError(f"no complete fsdp2_pretrain.py checkpoint at {path}: run `torchrun --standalone --nproc_per_node=2 "
-                         f"fsdp2_pretrain.py` first, or pass --init-from")
+        raise UsageError(f"no complete {source}.py checkpoint at {path}: run `torchrun --standalone --nproc_per_node=2 "
+                         f"{source}.py` first, or pass --init-from")
     meta = read_meta(checkpoint_dir, "--init-from")
-    if meta["script"] != "fsdp2_pretrain" and not meta.get("hf"):  # an exported folder is a plain model, whoever trained it
-        raise UsageError(f"--init-from {checkpoint_dir} was written by {meta['script']}.py: the SFT starts from an fsdp2_pretrain.py checkpoint")
+    if meta["script"] != source and not (meta.get("hf") and args.stage == "sft"):  # an exported folder is a plain model
+        why = " (its model never learned the chat format and its markers)" if args.stage == "grpo" else ""
+        raise UsageError(f"--init-from {checkpoint_dir} was written by {meta['script']}.py{why}: this stage starts from a {source}.py checkpoint")
     if meta["model"] != args.model:
         raise UsageError(f"--init-from {checkpoint_dir} holds a '{meta['model']}' model: pass --model {meta['model']}")
     return checkpoint_dir
@@ -895,39 +925,3 @@ def newest_checkpoint(path):
     path = Path(path)
     found = [path] if (path / "meta.json").is_file() or is_hf_folder(path) else complete_checkpoints(path / "checkpoints")
     return found[-1] if found else None
-
-
-def resolve_checkpoint(path):
-    """A checkpoint folder (step_<N>), or a run's --out-dir meaning its newest complete checkpoint."""
-    checkpoint_dir = newest_checkpoint(path)
-    if checkpoint_dir is None:
-        raise UsageError(f"{path} is neither a checkpoint folder (step_N with meta.json) nor a run folder holding one")
-    return checkpoint_dir
-
-
-def load_checkpoint_model(checkpoint_dir, device="cpu"):
-    """A plain, unsharded model with the weights of a checkpoint of any of the four scripts, in one
-    process and with no process group: DCP reads sharded checkpoints into whole tensors by itself.
-
-        ddp_pretrain     checkpoint.pt["model"]            (torch.save by rank 0)
-        fsdp1_pretrain   the app state's "model" entry     (DCP, one Stateful app state)
-        fsdp2_*          model/                            (DCP, model saved apart from the optimizer)
-    """
-    import torch.distributed.checkpoint as dcp
-
-    meta = read_meta(checkpoint_dir, "checkpoint")
-    model = build_model(meta["model"]).eval()
-    state = model.state_dict()
-    try:
-        if meta.get("hf"):
-            state = hf_state_dict(checkpoint_dir)
-        elif meta["script"] == "ddp_pretrain":
-            state = torch.load(Path(checkpoint_dir) / "checkpoint.pt", map_location="cpu", weights_only=True)["model"]
-        elif meta["script"] == "fsdp1_pretrain":
-            dcp.load({"app": {"model": state}}, checkpoint_id=checkpoint_dir)  # reads only the model's entries
-        else:
-            dcp.load(state, checkpoint_id=Path(checkpoint_dir) / "model")
-        model.load_state_dict(state)
-    except Exception as exc:  # a truncated or foreign file: say which checkpoint, in one line
-        raise UsageError(f"checkpoint {checkpoint_dir} cannot be read ({error_reason(exc)}): it is damaged or not of these scripts") from None
-    return model.to(device), meta

@@ -1,4 +1,4 @@
-"""Convert a checkpoint of any of the four scripts into a Hugging Face model folder: one process, no GPU,
+"""Convert a checkpoint of any of the five scripts into a Hugging Face model folder: one process, no GPU,
 no network, no process group.
 
     python export_hf.py runs/fsdp2_sft hf/fsdp2_sft
@@ -22,6 +22,7 @@ import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 import common
 
@@ -46,6 +47,40 @@ def hf_tokenizer():
     return tokenizer
 
 
+def resolve_checkpoint(path):
+    """A checkpoint folder (step_<N>), or a run's --out-dir meaning its newest complete checkpoint."""
+    checkpoint_dir = common.newest_checkpoint(path)
+    if checkpoint_dir is None:
+        raise common.UsageError(f"{path} is neither a checkpoint folder (step_N with meta.json) nor a run folder holding one")
+    return checkpoint_dir
+
+
+def load_checkpoint_model(checkpoint_dir, device="cpu"):
+    """A plain, unsharded model with the weights of a checkpoint of any of the five scripts, in one
+    process and with no process group: DCP reads sharded checkpoints into whole tensors by itself.
+
+        ddp_pretrain     checkpoint.pt["model"]            (torch.save by rank 0)
+        fsdp1_pretrain   the app state's "model" entry     (DCP, one Stateful app state)
+        fsdp2_*          model/                            (DCP, model saved apart from the optimizer)
+    """
+    meta = common.read_meta(checkpoint_dir, "checkpoint")
+    model = common.build_model(meta["model"]).eval()
+    state = model.state_dict()
+    try:
+        if meta.get("hf"):
+            state = common.hf_state_dict(checkpoint_dir)
+        elif meta["script"] == "ddp_pretrain":
+            state = torch.load(Path(checkpoint_dir) / "checkpoint.pt", map_location="cpu", weights_only=True)["model"]
+        elif meta["script"] == "fsdp1_pretrain":
+            dcp.load({"app": {"model": state}}, checkpoint_id=checkpoint_dir)  # reads only the model's entries
+        else:
+            dcp.load(state, checkpoint_id=Path(checkpoint_dir) / "model")
+        model.load_state_dict(state)
+    except Exception as exc:  # a truncated or foreign file: say which checkpoint, in one line
+        raise common.UsageError(f"checkpoint {checkpoint_dir} cannot be read ({common.error_reason(exc)}): it is damaged or not of these scripts") from None
+    return model.to(device), meta
+
+
 def llama_model(model):
     """The same weights as a LlamaForCausalLM: Qwen2's shapes, rotary base, norm eps and tied embeddings, biases on
     q/k/v (attention_bias=True also gives o_proj one: zeros, which change nothing)."""
@@ -68,20 +103,16 @@ def llama_model(model):
     return llama
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", help="a checkpoint folder, or a run folder (its newest checkpoint is used)")
-    parser.add_argument("out_dir", help="the Hugging Face model folder to write (must not exist, or be empty)")
-    args = parser.parse_args()
-
-    checkpoint_dir = common.resolve_checkpoint(args.checkpoint)
-    out_dir = Path(args.out_dir)
+def export(checkpoint, out_dir):
+    """Write the Hugging Face folder out_dir from a checkpoint folder or a run folder; returns the checkpoint's meta."""
+    checkpoint_dir = resolve_checkpoint(checkpoint)
+    out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise common.UsageError(f"{out_dir} already exists and is not empty: choose a new OUT_DIR (export never overwrites)")
-    model, meta = common.load_checkpoint_model(checkpoint_dir)
+    model, meta = load_checkpoint_model(checkpoint_dir)
     model = llama_model(model)
     model.generation_config.pad_token_id = common.EOT_ID
-    if meta["script"] == "fsdp2_sft":  # a chat model ends its reply with <|end_of_turn|>
+    if meta["script"] in ("fsdp2_sft", "fsdp2_grpo"):  # a chat model ends its reply with <|end_of_turn|>
         model.generation_config.eos_token_id = [common.SPECIAL_TOKENS[common.END_OF_TURN], common.EOT_ID]
 
     partial_dir = out_dir.with_name(f".partial_{out_dir.name}")  # renamed once complete, like the checkpoints
@@ -94,4 +125,13 @@ if __name__ == "__main__":
     if out_dir.exists():
         out_dir.rmdir()  # empty, checked above
     partial_dir.rename(out_dir)
-    print(f"exported {checkpoint_dir} ({meta['script']}, step {meta['step']}) to {out_dir}")
+    return checkpoint_dir, meta
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", help="a checkpoint folder, or a run folder (its newest checkpoint is used)")
+    parser.add_argument("out_dir", help="the Hugging Face model folder to write (must not exist, or be empty)")
+    args = parser.parse_args()
+    checkpoint_dir, meta = export(args.checkpoint, args.out_dir)
+    print(f"exported {checkpoint_dir} ({meta['script']}, step {meta['step']}) to {args.out_dir}")

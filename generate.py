@@ -1,4 +1,4 @@
-"""Sample from, or chat with, a checkpoint of any of the four scripts: one process, CPU or one GPU, no torchrun.
+"""Sample from, or chat with, a checkpoint of any of the five scripts: one process, CPU or one GPU, no torchrun.
 
     python generate.py runs/fsdp2_pretrain --prompt "The interpreter reads"          # continue a text
     python generate.py runs/fsdp2_sft --chat --prompt "Compute 7 - 3 + 5 - 2."       # one reply, greedy
@@ -13,6 +13,7 @@ import sys
 import torch
 
 import common
+import export_hf
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("checkpoint", help="a checkpoint folder, a run folder (its newest checkpoint is used), or an export_hf.py folder")
@@ -28,7 +29,7 @@ if not args.chat and args.prompt is None:
     parser.error("--prompt is required without --chat")
 
 device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-model, meta = common.load_checkpoint_model(common.resolve_checkpoint(args.checkpoint), device)
+model, meta = export_hf.load_checkpoint_model(export_hf.resolve_checkpoint(args.checkpoint), device)
 tokenizer = common.get_chat_tokenizer()  # GPT-2 BPE plus the SFT markers, which a pretrained model never saw
 torch.manual_seed(args.seed)
 

@@ -22,8 +22,9 @@ def tiny_run(tmp_path_factory):
     def get(script):
         if script not in runs:
             out = tmp_path_factory.mktemp(script.removesuffix(".py")) / "run"
-            # The SFT starts from the FSDP2 pretraining run's newest checkpoint.
-            init = ["--init-from", get("fsdp2_pretrain.py")[0], "--eval-generate", 8, *SFT_DATA] if script == "fsdp2_sft.py" else []
+            # The SFT starts from the FSDP2 pretraining run's newest checkpoint, GRPO from the SFT's.
+            source = {"fsdp2_sft.py": "fsdp2_pretrain.py", "fsdp2_grpo.py": "fsdp2_sft.py"}.get(script)
+            init = ["--init-from", get(source)[0], "--eval-generate", 8, *SFT_DATA] if source else []
             runs[script] = (out, check(run_script(script, *TINY_RUN, *init, "--out-dir", out, nproc=2)))
         return runs[script]
 

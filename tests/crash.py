@@ -2,7 +2,8 @@
 
     CRASH_RANK=1 CRASH_AT=step:15 torchrun --nproc_per_node=2 tests/crash.py SCRIPT.py [flags]
 
-CRASH_AT is `step:N` (just before the Nth optimizer step) or `save:N` (in the middle of writing checkpoint
+CRASH_AT is `step:N` (just before the Nth optimizer step), `rollout:N` (fsdp2_grpo.py: in the middle of the Nth
+step's sampling, the other ranks inside their synced generation) or `save:N` (in the middle of writing checkpoint
 step_N: DDP's rank 0 dies with half of checkpoint.pt written; under DCP, the rank dies as it starts the last
 dcp.save into the folder, the optimizer's for FSDP2). Just before dying, the rank writes the time to
 CRASH_STAMP, so a test can measure how long the rest of the job takes to notice. The scripts are not modified:
@@ -41,6 +42,21 @@ if is_victim and kind == "step":
             die()
 
     register_optimizer_step_pre_hook(before_step)
+
+if is_victim and kind == "rollout":
+    sys.path.insert(0, str(REPO))
+    import common
+
+    real_generate_replies, rollouts = common.generate_replies, 0
+
+    def generate_replies(model, prompts, max_new_tokens, temperature=0.0, *args, **kwargs):
+        global rollouts
+        rollouts += temperature > 0  # sampling: a rollout, not the greedy evaluation
+        if rollouts == int(number):
+            die()
+        return real_generate_replies(model, prompts, max_new_tokens, temperature, *args, **kwargs)
+
+    common.generate_replies = generate_replies
 
 if is_victim and kind == "save":
     real_torch_save, real_dcp_save = torch.save, dcp.save

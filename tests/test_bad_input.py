@@ -44,6 +44,9 @@ BAD_INPUTS = {  # case: (script, flags, ranks, words the error line must hold: t
     "init-from a DDP checkpoint": ("fsdp2_sft.py", ["--model", "tiny", "--init-from", "{tmp}/ddp"], 1, ["--init-from", "ddp_pretrain.py"]),
     "init-from a folder with no checkpoint": ("fsdp2_sft.py", ["--model", "tiny", "--init-from", "{tmp}/empty_folder"], 1, ["--init-from", "fsdp2_pretrain.py"]),
     "init-from another model shape": ("fsdp2_sft.py", ["--model", "small", *SFT_INIT], 1, ["--model", "'tiny'"]),
+    "GRPO init-from a pretraining checkpoint": ("fsdp2_grpo.py", ["--model", "tiny", *SFT_INIT], 1, ["--init-from", "fsdp2_pretrain.py", "chat format"]),
+    "GRPO data with no reference answers": ("fsdp2_grpo.py", ["--model", "tiny", "--init-from", "{tmp}/sft", "--data", "{tmp}/no_solution.jsonl"], 1,
+                                            ["--data", "<|begin_of_solution|>"]),
 }
 
 
@@ -68,6 +71,9 @@ def bad_input_files(tmp_path_factory, tiny_run):
     shutil.copytree(tiny_run("ddp_pretrain.py")[0] / "checkpoints", tmp / "ddp" / "checkpoints")
     copy_checkpoint(tmp / "ddp", 10, tmp / "ddp10")
     shutil.copytree(tiny_run("fsdp2_pretrain.py")[0] / "checkpoints", tmp / "fsdp2" / "checkpoints")
+    shutil.copytree(tiny_run("fsdp2_sft.py")[0] / "checkpoints", tmp / "sft" / "checkpoints")
+    greetings = [[{"from": "user", "value": f"Say hello {i} times."}, {"from": "assistant", "value": "Hello!"}] for i in range(20)]
+    (tmp / "no_solution.jsonl").write_text("".join(json.dumps({"conversations": turns}) + "\n" for turns in greetings))  # no answer to check
     shutil.copytree(tmp / "ddp", tmp / "truncated")
     weights = tmp / "truncated" / "checkpoints" / "step_20" / "checkpoint.pt"
     weights.write_bytes(weights.read_bytes()[:1000])  # a copy that ran out of disk

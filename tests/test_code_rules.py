@@ -6,7 +6,7 @@ import pytest
 from helpers import REPO
 
 SOURCES = sorted(p for p in REPO.rglob("*.py") if not any(part.startswith(".") for part in p.relative_to(REPO).parts))  # no venvs
-TRAINING_SCRIPTS = ["ddp_pretrain.py", "fsdp1_pretrain.py", "fsdp2_pretrain.py", "fsdp2_sft.py"]
+TRAINING_SCRIPTS = ["ddp_pretrain.py", "fsdp1_pretrain.py", "fsdp2_pretrain.py", "fsdp2_sft.py", "fsdp2_grpo.py"]
 
 
 def calls(tree):

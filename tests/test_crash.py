@@ -11,18 +11,26 @@ import pytest
 import torch
 
 import common
-from helpers import TINY_RUN, check, read_metrics, run_script, traceback_through_our_code, tree_hashes
+import export_hf
+from helpers import SFT_DATA, TINY_RUN, check, read_metrics, run_script, traceback_through_our_code, tree_hashes
 
 CRASHES = {  # script, moment (tests/crash.py's CRASH_AT), rank killed
     "ddp mid-run": ("ddp_pretrain.py", "step:12", 1),
     "ddp mid-save": ("ddp_pretrain.py", "save:20", 0),  # DDP's rank 0 writes the checkpoint alone
     "fsdp2 mid-run": ("fsdp2_pretrain.py", "step:12", 1),
     "fsdp2 mid-save": ("fsdp2_pretrain.py", "save:20", 1),  # model/ written, optimizer/ not
+    "grpo mid-rollout": ("fsdp2_grpo.py", "rollout:12", 1),  # rank 0 waits inside its synced generation
 }
 
 
+def flags_of(script, tiny_run):
+    """The shared tiny run's flags; GRPO's also name the SFT run it starts from, as conftest's tiny_run does."""
+    source = ["--init-from", tiny_run("fsdp2_sft.py")[0], "--eval-generate", 8, *SFT_DATA] if script == "fsdp2_grpo.py" else []
+    return [*TINY_RUN, *source]
+
+
 @pytest.fixture(scope="module")
-def crashed(tmp_path_factory):
+def crashed(tmp_path_factory, tiny_run):
     """crashed(case): (out_dir, CompletedProcess, seconds from the kill to the job's exit) of TINY_RUN with one rank
     SIGKILLed; made once per module."""
     runs = {}
@@ -32,7 +40,7 @@ def crashed(tmp_path_factory):
             script, moment, victim = CRASHES[case]
             out = tmp_path_factory.mktemp(case.replace(" ", "_")) / "run"
             stamp = out.parent / "killed_at"
-            result = run_script("tests/crash.py", script, *TINY_RUN, "--out-dir", out, nproc=2,
+            result = run_script("tests/crash.py", script, *flags_of(script, tiny_run), "--out-dir", out, nproc=2,
                                 env={"CRASH_AT": moment, "CRASH_RANK": str(victim), "CRASH_STAMP": str(stamp)})
             assert stamp.exists(), f"no rank was killed\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
             runs[case] = (out, result, time.time() - float(stamp.read_text()))
@@ -41,7 +49,7 @@ def crashed(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("case", ["ddp mid-run", "fsdp2 mid-run"])
+@pytest.mark.parametrize("case", ["ddp mid-run", "fsdp2 mid-run", "grpo mid-rollout"])
 def test_killing_one_of_two_ranks_ends_the_job_with_an_error_within_60_seconds(case, crashed):
     _, result, seconds_after_kill = crashed(case)
     assert result.returncode != 0
@@ -68,7 +76,7 @@ def test_resume_after_a_crash_trains_the_same_steps_as_the_uninterrupted_run(cas
     crashed_dir, _, _ = crashed(case)
     script, _, _ = CRASHES[case]
     out = shutil.copytree(crashed_dir, tmp_path / "run")
-    result = check(run_script(script, *TINY_RUN, "--out-dir", out, "--resume", nproc=2))
+    result = check(run_script(script, *flags_of(script, tiny_run), "--out-dir", out, "--resume", nproc=2))
     assert "step_10 at step 10" in result.stdout
     assert not list((out / "checkpoints").glob(".*")), "leftovers of the crashed save were not cleaned up"
     assert [p.name for p in common.complete_checkpoints(out / "checkpoints")] == ["step_10", "step_20"]
@@ -96,5 +104,5 @@ def test_a_nonfinite_loss_stops_every_rank_before_the_update_and_saves_nothing_p
     assert sorted(train) == list(range(1, stopped_at)) and all(math.isfinite(row["loss"]) for row in train.values())
     saved = common.complete_checkpoints(tmp_path / "checkpoints")
     assert saved[-1].name == f"step_{stopped_at - 1}" and not list((tmp_path / "checkpoints").glob(".*"))
-    model, _ = common.load_checkpoint_model(saved[-1])
+    model, _ = export_hf.load_checkpoint_model(saved[-1])
     assert all(torch.isfinite(p).all() for p in model.parameters())

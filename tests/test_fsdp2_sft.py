@@ -4,6 +4,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import common
+import export_hf
 from helpers import SFT_DATA, TINY_RUN, check, copy_checkpoint, read_metrics, run_script
 
 NEW_ROWS = slice(common.EOT_ID + 1, common.EOT_ID + 1 + len(common.SPECIAL_TOKENS))
@@ -66,7 +67,7 @@ def test_generate_reads_the_checkpoint_of_every_pretraining_script(tiny_run):
     assert printed.startswith("The interpreter") and len(printed) > len("The interpreter\n")
     tokenizer = common.get_tokenizer()
     for script in ("fsdp1_pretrain.py", "fsdp2_pretrain.py"):
-        model, _ = common.load_checkpoint_model(common.resolve_checkpoint(tiny_run(script)[0]))
+        model, _ = export_hf.load_checkpoint_model(export_hf.resolve_checkpoint(tiny_run(script)[0]))
         with torch.no_grad():
             reply = common.generate_replies(model, [tokenizer.encode_ordinary("The interpreter")], 12)[0]
         assert "The interpreter" + tokenizer.decode(reply) + "\n" == printed, script
@@ -77,7 +78,7 @@ def test_generate_chat_renders_the_trained_format(tiny_run):
     question = "Compute 4 + 3 - 2 + 1."
     printed = run_generate(out, "--chat", "--prompt", question, "--max-new-tokens", 20)
     # The same reply, made here by hand: system + user turn as in training, then the assistant marker.
-    model, meta = common.load_checkpoint_model(common.resolve_checkpoint(out))
+    model, meta = export_hf.load_checkpoint_model(export_hf.resolve_checkpoint(out))
     tokenizer = common.get_chat_tokenizer()
     prompt, _ = common.encode_conversation(tokenizer, [("system", common.BUILTIN_SYSTEM_PROMPT), ("user", question)])
     with torch.no_grad():

@@ -1,0 +1,291 @@
+"""Reinforce the finetuned model with FSDP2 from verifiable rewards (GRPO-style): sample replies, reward right answers.
+
+    torchrun --standalone --nproc_per_node=2 fsdp2_grpo.py                    # default: after fsdp2_sft.py, builtin problems
+    torchrun --standalone --nproc_per_node=8 fsdp2_grpo.py --model qwen2-0.5b --data open-thoughts/OpenThoughts-114k --init-from runs/fsdp2_sft
+"""
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils.tensorboard import SummaryWriter
+from tqdm import tqdm
+
+import common
+
+SCRIPT = Path(__file__).stem  # names the run folder and is recorded in every checkpoint
+
+# ---------------------------------------------------------------------------------------------- setup
+args = common.finalize_args(common.get_parser(__doc__, f"runs/{SCRIPT}", stage="grpo").parse_args())
+rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+local_rank = int(os.environ.get("LOCAL_RANK", 0))
+device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+checkpoint_root = Path(args.out_dir) / "checkpoints"
+resume_dir = common.find_resume_checkpoint(args, checkpoint_root, SCRIPT)
+init_dir = common.find_init_checkpoint(args) if resume_dir is None else None  # a resume has its own weights
+
+# ---------------------------------------------------------------------------------------------- data
+tokenizer = common.get_chat_tokenizer()  # GPT-2 BPE plus the role and reasoning markers
+train, val = common.load_sft_data(args, tokenizer)  # conversations with reference replies: the prompts and answers
+common.check_data(args, train, val, world_size, resume_dir)  # enough samples; on --resume, the checkpoint's data order
+# A prompt is a conversation up to its last <|assistant|>; its answer, the reference reply's text between the solution markers.
+train_prompts, train_answers, _ = common.answer_prompts(tokenizer, train, len(train.lengths))
+if not train_prompts:
+    raise common.UsageError(f"--data {args.data}: no reply has an answer between <|begin_of_solution|> and <|end_of_solution|>, so nothing can be rewarded")
+
+# ---------------------------------------------------------------------------------------------- distributed
+# Every input check is behind us: from here on the ranks talk to each other.
+if rank == 0:
+    common.remove_incomplete_checkpoints(checkpoint_root)  # what a crashed run left half-written
+common.init_process_group(device)
+if device.type == "cuda":
+    torch.cuda.set_device(device)
+
+# ---------------------------------------------------------------------------------------------- model
+torch.manual_seed(args.seed)  # the same init on every rank, and in every script
+model = common.build_model(args.model, args.activation_checkpointing)
+n_params, model_config = common.count_parameters(model), model.config
+if args.compile:
+    torch._dynamo.config.recompile_limit = 2 * len(args.buckets)  # one graph per bucket, training and evaluation (default 8)
+    for layer in model.model.layers:  # regional: all layers share each bucket's graph; the wrappers' hooks stay outside
+        layer.compile(dynamic=False)  # in place, state_dict keys unchanged; static shapes: each bucket gets its own kernels
+
+# ---------------------------------------------------------------------------------------------- wrap
+# bf16: compute on bf16 copies of the gathered parameters; reduce gradients and keep the shards in fp32.
+mixed_precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+for layer in model.model.layers:  # one unit per decoder layer: only one layer is ever gathered at a time
+    fully_shard(layer, mp_policy=mixed_precision)
+fully_shard(model, mp_policy=mixed_precision)  # the root: embedding, tied head, final norm; default mesh: all ranks
+
+# ---------------------------------------------------------------------------------------------- init from the SFT
+if init_dir is not None and common.is_hf_folder(init_dir):  # an export_hf.py folder: whole tensors, each rank keeps its shards
+    set_model_state_dict(model, common.hf_state_dict(init_dir), options=StateDictOptions(full_state_dict=True))
+elif init_dir is not None:
+    model_state = get_model_state_dict(model)  # this rank's shards: DCP reads only those, nothing is gathered
+    dcp.load(model_state, checkpoint_id=init_dir / "model")
+    set_model_state_dict(model, model_state)
+
+# ---------------------------------------------------------------------------------------------- optimizer
+# Matrices decay; biases and norm gains do not. Decided by name: under FSDP1 every parameter is a flat 1-D shard.
+decay = [p for name, p in model.named_parameters() if not (name.endswith("bias") or "norm" in name)]
+no_decay = [p for name, p in model.named_parameters() if name.endswith("bias") or "norm" in name]
+optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+                              lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+
+
+# ---------------------------------------------------------------------------------------------- checkpoint
+def save_checkpoint(step, data_position):
+    """Every rank writes its own shards with DCP into a partial folder that is renamed once complete."""
+    partial_dir = checkpoint_root / f".partial_step_{step}"
+    if rank == 0:
+        shutil.rmtree(partial_dir, ignore_errors=True)
+        partial_dir.mkdir(parents=True)
+        torch.save({"step": step, "data_position": data_position, "rng": torch.get_rng_state()},
+                   partial_dir / "train_state.pt")  # one copy: ranks seed alike
+    dist.barrier()  # the folder exists before anyone writes into it
+    dcp.save(get_model_state_dict(model), checkpoint_id=partial_dir / "model")  # DTensor shards, named as in the model
+    dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=partial_dir / "optimizer")  # keyed by name too
+    if rank == 0:
+        common.commit_checkpoint(partial_dir, args, SCRIPT, step, world_size)
+    dist.barrier()  # nobody runs ahead (or exits) before the checkpoint is committed
+
+
+def load_checkpoint(checkpoint_dir):
+    """DCP loads in place into state dicts shaped for THIS world size (so it reshards), then we set them."""
+    # get_optimizer_state_dict first gives a fresh AdamW its moments: dcp.load(optimizer.state_dict()) would load none.
+    model_state, optimizer_state = get_model_state_dict(model), get_optimizer_state_dict(model, optimizer)
+    dcp.load(model_state, checkpoint_id=checkpoint_dir / "model")
+    dcp.load(optimizer_state, checkpoint_id=checkpoint_dir / "optimizer")
+    set_model_state_dict(model, model_state)
+    set_optimizer_state_dict(model, optimizer, optimizer_state)
+    train_state = torch.load(checkpoint_dir / "train_state.pt", map_location="cpu", weights_only=True)
+    torch.set_rng_state(train_state["rng"])
+    return train_state["step"], train_state["data_position"]
+
+
+# ---------------------------------------------------------------------------------------------- resume
+step, data_position = 0, {"epoch": 0, "index": 0}
+if resume_dir is not None:
+    step, data_position = load_checkpoint(resume_dir)
+    optimizer.param_groups[0]["weight_decay"] = args.weight_decay  # the load restored the checkpoint's; this run's flag wins
+    if rank == 0:
+        print(f"resumed from {resume_dir} at step {step}")
+
+
+def make_schedule(lengths, epoch, grad_accum, order):
+    return common.epoch_schedule(lengths, args.buckets, args.tokens_per_batch, world_size, grad_accum, args.seed, epoch, order)
+
+
+def prompt_schedule(epoch):  # all prompts as one bucket of length 1: a step takes prompts_per_step of them per rank
+    return common.epoch_schedule(np.ones(len(train_prompts), dtype=np.int64), [1], args.prompts_per_step, world_size, 1, args.seed, epoch)
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+val_schedule = make_schedule(val.lengths, 0, 1, "ascending")
+# Answer accuracy: greedy replies to held-out prompts, compared with the reference between the solution markers.
+val_prompts, val_answers, max_reply_tokens = common.answer_prompts(tokenizer, val, args.eval_generate)
+
+
+@torch.no_grad()
+def evaluate():
+    """Loss over the whole validation split (assistant tokens of all ranks, divided once), and answer accuracy."""
+    model.eval()
+    loss_sum = torch.zeros((), device=device)
+    for bucket_len, samples in val_schedule:
+        batch_size = common.bucket_batch_size(args.tokens_per_batch, bucket_len)
+        input_ids, targets = common.collate(val, samples[rank::world_size], bucket_len, batch_size)
+        loss_sum += model(input_ids=input_ids.to(device), targets=targets.to(device))  # summed over the targets
+    mine = list(range(rank, len(val_prompts), world_size))  # each rank answers its share, in one batch
+    replies = common.generate_replies(model, [val_prompts[i] for i in mine], max_reply_tokens, synced=True) if val_prompts else []
+    correct = torch.tensor(float(sum(common.solution_text(tokenizer, r) == val_answers[i] for i, r in zip(mine, replies))), device=device)
+    dist.all_reduce(loss_sum)
+    dist.all_reduce(correct)
+    model.train()
+    return loss_sum.item() / sum(val.target_counts), correct.item() / len(val_prompts) if val_prompts else None
+
+
+# ---------------------------------------------------------------------------------------------- rollouts
+def rollout_split(prompts, replies):
+    """The step's rollouts in the layout collate reads (a Split): prompt + reply per sample, only the reply's tokens targets."""
+    sequences = [np.array(prompt + reply, dtype=np.int64) for prompt, reply in zip(prompts, replies)]
+    mask = [np.arange(len(sequence)) >= len(prompt) for sequence, prompt in zip(sequences, prompts)]
+    lengths = np.array([len(sequence) for sequence in sequences], dtype=np.int64)
+    return common.Split(np.concatenate(sequences or [np.zeros(0, np.int64)]), np.concatenate(mask or [np.zeros(0, bool)]).astype(np.uint8),
+                        np.cumsum(lengths) - lengths, lengths, np.array([len(reply) for reply in replies]), "")
+
+
+# ---------------------------------------------------------------------------------------------- training loop
+Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+if rank == 0:
+    metrics_file = common.open_metrics(Path(args.out_dir) / "metrics.jsonl", step if resume_dir else None)
+    writer = SummaryWriter(Path(args.out_dir) / "tensorboard", purge_step=step + 1 if resume_dir else None)  # drops a crashed run's later points
+    progress = tqdm(total=args.max_steps, initial=step, desc=SCRIPT, dynamic_ncols=True)
+
+
+def log(row):
+    if rank == 0:
+        metrics_file.write(json.dumps(row) + "\n")
+        metrics_file.flush()
+        for name, value in row.items():
+            if name != "step" and value is not None:
+                writer.add_scalar(name, value, row["step"])
+
+
+peak_flops = common.device_peak_flops(device)
+schedule = prompt_schedule(data_position["epoch"])
+bucket_len = args.buckets[-1]  # every rollout is padded to the largest bucket: one shape, one graph under --compile
+batch_size = common.bucket_batch_size(args.tokens_per_batch, bucket_len)
+micro_batches = -(-args.prompts_per_step * args.group_size // batch_size)  # the same on every rank: each forward is collective
+start_time, total_tokens, total_padded, run_peak_mem_gb = time.perf_counter(), 0, 0, 0.0
+val_loss, val_accuracy = evaluate() if step == 0 else (None, None)
+if step == 0:
+    log({"step": 0, "val_loss": val_loss, "val_accuracy": val_accuracy})
+model.train()
+while step < args.max_steps:
+    if data_position["index"] >= len(schedule):  # epoch done: the next one reshuffles, as a function of (seed, epoch)
+        data_position = {"epoch": data_position["epoch"] + 1, "index": 0}
+        schedule = prompt_schedule(data_position["epoch"])
+    _, step_prompts = schedule[data_position["index"]]  # the step's prompts, all ranks'
+    data_position = {**data_position, "index": data_position["index"] + 1}
+    common.reset_peak_memory(device)  # each row's peak is its own step's
+    step_start = time.perf_counter()
+
+    # Rollout: group_size replies to each of this rank's prompts, sampled from the current policy (temperature 1, no
+    # top-k) with the seed a function of (seed, rank, step), so that a resume samples the very same replies.
+    mine = [int(i) for i in step_prompts[rank::world_size] for _ in range(args.group_size)]  # a prompt's group stays here
+    prompts = [train_prompts[i] for i in mine]
+    model.eval()
+    model.set_reshard_after_forward(False)  # each layer is gathered at the first token and kept: not once per token
+    torch.manual_seed(int(np.random.SeedSequence([args.seed, rank, step]).generate_state(1)[0]))
+    with torch.no_grad():  # synced: all ranks step until all are done, as the gathers at the first token are collective
+        replies = common.generate_replies(model, prompts, bucket_len - max(map(len, prompts), default=0), temperature=1.0, top_k=0, synced=True)
+    model.set_reshard_after_forward(True)
+    for module in [*model.model.layers, model]:
+        module.reshard()  # back to shards for training: the gathered copies are freed
+    model.train()
+    # Reward 1 for the reference answer between the solution markers, else 0 (no markers, or cut short: 0).
+    rewards = torch.tensor([float(common.solution_text(tokenizer, reply) == train_answers[i]) for i, reply in zip(mine, replies)])
+    advantages = common.group_advantages(rewards, args.group_size)  # reward minus its group's mean; equal rewards: all 0
+    rollouts = rollout_split(prompts, replies)
+    groups = rewards.view(-1, args.group_size)
+    stats = torch.tensor([rewards.sum(), len(rewards), (groups.max(1).values == groups.min(1).values).sum(), len(groups),
+                          rollouts.target_counts.sum(), sum(common.solution_text(tokenizer, r) is not None for r in replies),
+                          rollouts.lengths.sum()], dtype=torch.float64, device=device)
+    dist.all_reduce(stats)  # the step's totals over all ranks: rewards, groups, reply tokens (the loss's denominator)
+    tokens, target_tokens = int(stats[6]), int(stats[4])
+    rollout_time, train_start = time.perf_counter() - step_start, time.perf_counter()
+
+    loss_sum = torch.zeros((), device=device)
+    for micro in range(micro_batches):
+        sample_ids = range(micro * batch_size, min((micro + 1) * batch_size, len(replies)))
+        input_ids, targets = common.collate(rollouts, sample_ids, bucket_len, batch_size)
+        row_weights = torch.zeros(batch_size)
+        row_weights[:len(sample_ids)] = advantages[sample_ids.start:sample_ids.stop]
+        # Sum over the reply tokens of advantage x cross-entropy, divided by the reply tokens of the WHOLE step (all
+        # ranks), as pretraining and SFT divide. One optimizer step per batch of rollouts: the policy that sampled them
+        # is the one being updated, so no importance ratio, no clipping and no reference model are needed. Reusing
+        # rollouts for more steps would make them off-policy: PPO's ratio and clip would then have to come back.
+        model.set_requires_gradient_sync(micro == micro_batches - 1)  # FSDP2's switch for no_sync()
+        # The weighted sum; the model makes logits only at target positions, a chunk at a time (common.build_model).
+        micro_loss_sum = model(input_ids=input_ids.to(device), targets=targets.to(device), weights=row_weights[:, None].to(device))
+        (micro_loss_sum * world_size / target_tokens).backward()  # every rank, every step: the gradient sync is collective
+        loss_sum += micro_loss_sum.detach()
+    # The norm by hand, then the library clips with it: on CPU, torch's fp32 vector_norm (inside clip_grad_norm_)
+    # drifts by ~1e-4 on large tensors (pytorch#169237), while a sum of squares is exact to ~1e-7.
+    grad_norm = torch.stack([p.grad.square().sum() for p in model.parameters()]).sum().sqrt().full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.grad_clip or float("inf"), grad_norm)
+    dist.all_reduce(loss_sum)  # for the log and the check: the gradients were already exact
+    loss = loss_sum.item() / target_tokens
+    common.stop_if_nonfinite(step + 1, loss, grad_norm.item())  # global values: every rank stops here alike, before the update
+    lr = common.learning_rate(step, args)  # from the step and this run's flags (nanoGPT's way): a resume follows a new --lr
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    step += 1
+
+    step_time = time.perf_counter() - train_start
+    step_peak_mem_gb = common.peak_memory_gb(device)
+    run_peak_mem_gb = max(run_peak_mem_gb, step_peak_mem_gb)
+    padded_tokens = world_size * micro_batches * batch_size * bucket_len
+    total_tokens, total_padded = total_tokens + tokens, total_padded + padded_tokens
+    if step % args.log_every == 0 or step == args.max_steps:
+        flops = common.flops_per_token(n_params, model_config, bucket_len) * tokens
+        log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(), "tokens": tokens,
+             "padded_tokens": padded_tokens, "target_tokens": target_tokens, "bucket_len": bucket_len,
+             "batch_size": batch_size, "tokens_per_s": tokens / step_time,
+             "mfu": flops / step_time / (peak_flops * world_size) if peak_flops else None,
+             "peak_mem_gb": step_peak_mem_gb, "peak_reserved_gb": common.peak_reserved_memory_gb(device),
+             "elapsed_s": time.perf_counter() - start_time, "reward": stats[0].item() / stats[1].item(),
+             "zero_spread_groups": stats[2].item() / stats[3].item(), "reply_tokens": stats[4].item() / stats[1].item(),
+             "with_markers": stats[5].item() / stats[1].item(), "rollout_s": rollout_time, "train_s": step_time})
+    if step % args.eval_every == 0 or step == args.max_steps:
+        val_loss, val_accuracy = evaluate()
+        log({"step": step, "val_loss": val_loss, "val_accuracy": val_accuracy})
+    if step % args.save_every == 0 or step == args.max_steps:
+        save_checkpoint(step, data_position)
+    if rank == 0:
+        progress.update(1)
+        progress.set_postfix(loss=f"{loss:.3f}", reward=f"{stats[0].item() / stats[1].item():.2f}", accuracy=val_accuracy)
+
+# ---------------------------------------------------------------------------------------------- end
+if rank == 0:
+    progress.close()
+    writer.close()
+    metrics_file.close()
+    elapsed = time.perf_counter() - start_time
+    print(f"done: {step} steps, val loss {val_loss if val_loss is None else round(val_loss, 4)}, answer accuracy {val_accuracy}, "
+          f"non-padding share {total_tokens / max(1, total_padded):.1%}, {total_tokens / elapsed:,.0f} tokens/s, {elapsed:.0f}s")
+param_elements, optimizer_elements = common.local_state_sizes(model, optimizer)
+print(f"rank {rank} holds {param_elements:,} parameter and {optimizer_elements:,} optimizer-state elements ({n_params:,} parameters in the model), peak memory in training {run_peak_mem_gb:.2f} GB")
+dist.barrier()  # without it, a rank that exits first can abort the others' gloo teardown
+dist.destroy_process_group()

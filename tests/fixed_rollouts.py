@@ -1,0 +1,46 @@
+"""Run fsdp2_grpo.py with rollouts the test fixes, as tests/crash.py does: the library calls are patched, the
+script runs unchanged as __main__.
+
+    ROLLOUTS=answer-by-sample torchrun --nproc_per_node=2 tests/fixed_rollouts.py fsdp2_grpo.py [flags]
+
+ROLLOUTS (the sampled replies; greedy evaluation is left alone):
+    constant          every reply is "The answer is 7." between the solution markers: all rewards of a group equal
+    answer-by-sample  reply j of a group answers j: rewards differ within a group, the same on any number of ranks
+    uneven            real sampling, but rank 0 stops after 1 token while the others run to the end
+ADVANTAGES=ones makes every advantage 1 (the loss is then the SFT loss on the same tokens).
+"""
+import os
+import runpy
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+import common  # noqa: E402
+
+mode, rank = os.environ["ROLLOUTS"], int(os.environ.get("RANK", 0))
+tokenizer = common.get_chat_tokenizer()
+real_generate_replies = common.generate_replies
+
+
+def reply_saying(answer):
+    text = f"<|begin_of_solution|>\n\nThe answer is {answer}.\n\n<|end_of_solution|>"
+    return tokenizer.encode(text, allowed_special=set(common.REASONING_MARKERS)) + [common.SPECIAL_TOKENS[common.END_OF_TURN]]
+
+
+def generate_replies(model, prompts, max_new_tokens, temperature=0.0, top_k=None, synced=False):
+    if temperature == 0:  # evaluation: as it is
+        return real_generate_replies(model, prompts, max_new_tokens, temperature, top_k, synced)
+    if mode == "uneven":
+        return real_generate_replies(model, prompts, 1 if rank == 0 else max_new_tokens, temperature, top_k, synced)
+    # A group's prompts come one after another: j is a reply's place in its group.
+    places = [next(j for j in range(i + 1) if i - j == 0 or prompts[i - j - 1] != prompt) for i, prompt in enumerate(prompts)]
+    return [reply_saying(7 if mode == "constant" else j % 10) for j in places]
+
+
+common.generate_replies = generate_replies
+if os.environ.get("ADVANTAGES") == "ones":
+    common.group_advantages = lambda rewards, group_size: rewards * 0 + 1
+script = str(REPO / sys.argv[1])
+sys.argv = [script, *sys.argv[2:]]
+runpy.run_path(script, run_name="__main__")

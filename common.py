@@ -756,6 +756,9 @@ def check_data(args, train, val, world_size, resume_dir):
         if saved and saved[key] != args.data_order[key]:
             raise UsageError(f"{flag} differs from the run of --resume {resume_dir} ({args.data_order[key]} here, {saved[key]} there), "
                              f"and the data order depends on it: resume with its {flag}")
+    if saved and saved["samples_per_step"] != samples_per_step and getattr(args, "prompts_per_step", None):
+        raise UsageError(f"--prompts-per-step {args.prompts_per_step} x {world_size} ranks gives {samples_per_step[0]} prompts per step; the run "
+                         f"of --resume {resume_dir} took {saved['samples_per_step'][0]}: keep prompts per step x ranks as it was")
     if saved and saved["samples_per_step"] != samples_per_step:  # the number of ranks may change, the global batch not
         raise UsageError(f"--tokens-per-batch {args.tokens_per_batch} x --grad-accum {args.grad_accum} x {world_size} ranks gives "
                          f"{samples_per_step} samples per step in buckets {args.buckets}; the run of --resume {resume_dir} took "

@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 import common
-from helpers import TINY_RUN, copy_checkpoint, run_script, traceback_through_our_code, tree_hashes
+from helpers import SFT_DATA, TINY_RUN, copy_checkpoint, run_script, traceback_through_our_code, tree_hashes
 
 SFT_INIT = ["--init-from", "{tmp}/fsdp2"]  # a valid pretrained checkpoint, so the SFT gets as far as its data
 BAD_INPUTS = {  # case: (script, flags, ranks, words the error line must hold: the flag first)
@@ -47,6 +47,8 @@ BAD_INPUTS = {  # case: (script, flags, ranks, words the error line must hold: t
     "GRPO init-from a pretraining checkpoint": ("fsdp2_grpo.py", ["--model", "tiny", *SFT_INIT], 1, ["--init-from", "fsdp2_pretrain.py", "chat format"]),
     "GRPO data with no reference answers": ("fsdp2_grpo.py", ["--model", "tiny", "--init-from", "{tmp}/sft", "--data", "{tmp}/no_solution.jsonl"], 1,
                                             ["--data", "<|begin_of_solution|>"]),
+    "GRPO resume with other prompts per step": ("fsdp2_grpo.py", [*TINY_RUN, *SFT_DATA, "--prompts-per-step", 3, "--out-dir", "{tmp}/grpo10", "--resume"], 1,
+                                                ["--prompts-per-step 3", "as it was"]),
 }
 
 
@@ -72,6 +74,7 @@ def bad_input_files(tmp_path_factory, tiny_run):
     copy_checkpoint(tmp / "ddp", 10, tmp / "ddp10")
     shutil.copytree(tiny_run("fsdp2_pretrain.py")[0] / "checkpoints", tmp / "fsdp2" / "checkpoints")
     shutil.copytree(tiny_run("fsdp2_sft.py")[0] / "checkpoints", tmp / "sft" / "checkpoints")
+    copy_checkpoint(tiny_run("fsdp2_grpo.py")[0], 10, tmp / "grpo10")
     greetings = [[{"from": "user", "value": f"Say hello {i} times."}, {"from": "assistant", "value": "Hello!"}] for i in range(20)]
     (tmp / "no_solution.jsonl").write_text("".join(json.dumps({"conversations": turns}) + "\n" for turns in greetings))  # no answer to check
     shutil.copytree(tmp / "ddp", tmp / "truncated")

@@ -134,7 +134,7 @@ def get_parser(description, default_out_dir, stage="train"):
     add("--bucket-order", choices=["shuffled", "ascending"], default="shuffled", help="order of the batches in an epoch: shuffled, or short buckets first (the original recipe)")
     if stage in INIT_FROM:
         source = INIT_FROM[stage]
-        add("--init-from", default=None, help=f"checkpoint of {source}.py to start from (default: the newest under runs/{source})")
+        add("--init-from", default=None, help=f"checkpoint of {source}.py to start from (default: the preset's, else the newest under runs/{source})")
         add("--eval-generate", type=int, default=200, help="held-out problems answered by greedy generation at each evaluation (answer accuracy)")
     if stage == "grpo":
         add("--group-size", type=int, default=8, help="replies sampled per prompt: each is rewarded against the others of its group")
@@ -756,10 +756,10 @@ def check_data(args, train, val, world_size, resume_dir):
         if saved and saved[key] != args.data_order[key]:
             raise UsageError(f"{flag} differs from the run of --resume {resume_dir} ({args.data_order[key]} here, {saved[key]} there), "
                              f"and the data order depends on it: resume with its {flag}")
-    if saved and saved["samples_per_step"] != samples_per_step and getattr(args, "prompts_per_step", None):
-        raise UsageError(f"--prompts-per-step {args.prompts_per_step} x {world_size} ranks gives {samples_per_step[0]} prompts per step; the run "
-                         f"of --resume {resume_dir} took {saved['samples_per_step'][0]}: keep prompts per step x ranks as it was")
     if saved and saved["samples_per_step"] != samples_per_step:  # the number of ranks may change, the global batch not
+        if getattr(args, "prompts_per_step", None):
+            raise UsageError(f"--prompts-per-step {args.prompts_per_step} x {world_size} ranks gives {samples_per_step[0]} prompts per step; the "
+                             f"run of --resume {resume_dir} took {saved['samples_per_step'][0]}: keep prompts per step x ranks as it was")
         raise UsageError(f"--tokens-per-batch {args.tokens_per_batch} x --grad-accum {args.grad_accum} x {world_size} ranks gives "
                          f"{samples_per_step} samples per step in buckets {args.buckets}; the run of --resume {resume_dir} took "
                          f"{saved['samples_per_step']}: keep tokens per batch x grad accum x ranks as it was")

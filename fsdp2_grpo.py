@@ -159,8 +159,8 @@ def rollout_split(prompts, replies):
     sequences = [np.array(prompt + reply, dtype=np.int64) for prompt, reply in zip(prompts, replies)]
     mask = [np.arange(len(sequence)) >= len(prompt) for sequence, prompt in zip(sequences, prompts)]
     lengths = np.array([len(sequence) for sequence in sequences], dtype=np.int64)
-    return common.Split(np.concatenate(sequences or [np.zeros(0, np.int64)]), np.concatenate(mask or [np.zeros(0, bool)]).astype(np.uint8),
-                        np.cumsum(lengths) - lengths, lengths, np.array([len(reply) for reply in replies]), "")
+    return common.Split(np.concatenate(sequences), np.concatenate(mask).astype(np.uint8), np.cumsum(lengths) - lengths, lengths,
+                        np.array([len(reply) for reply in replies]), "")
 
 
 # ---------------------------------------------------------------------------------------------- training loop
@@ -207,21 +207,23 @@ while step < args.max_steps:
     model.set_reshard_after_forward(False)  # each layer is gathered at the first token and kept: not once per token
     torch.manual_seed(int(np.random.SeedSequence([args.seed, rank, step]).generate_state(1)[0]))
     with torch.no_grad():  # synced: all ranks step until all are done, as the gathers at the first token are collective
-        replies = common.generate_replies(model, prompts, bucket_len - max(map(len, prompts), default=0), temperature=1.0, top_k=0, synced=True)
+        replies = common.generate_replies(model, prompts, bucket_len - max(map(len, prompts)), temperature=1.0, top_k=0, synced=True)
     model.set_reshard_after_forward(True)
     for module in [*model.model.layers, model]:
         module.reshard()  # back to shards for training: the gathered copies are freed
     model.train()
     # Reward 1 for the reference answer between the solution markers, else 0 (no markers, or cut short: 0).
-    rewards = torch.tensor([float(common.solution_text(tokenizer, reply) == train_answers[i]) for i, reply in zip(mine, replies)])
+    answers = [common.solution_text(tokenizer, reply) for reply in replies]  # None: no pair of solution markers
+    rewards = torch.tensor([float(answer == train_answers[i]) for i, answer in zip(mine, answers)])
     advantages = common.group_advantages(rewards, args.group_size)  # reward minus its group's mean; equal rewards: all 0
     rollouts = rollout_split(prompts, replies)
     groups = rewards.view(-1, args.group_size)
     stats = torch.tensor([rewards.sum(), len(rewards), (groups.max(1).values == groups.min(1).values).sum(), len(groups),
-                          rollouts.target_counts.sum(), sum(common.solution_text(tokenizer, r) is not None for r in replies),
-                          rollouts.lengths.sum()], dtype=torch.float64, device=device)
+                          sum(answer is not None for answer in answers), rollouts.target_counts.sum(), rollouts.lengths.sum()],
+                         dtype=torch.float64, device=device)
     dist.all_reduce(stats)  # the step's totals over all ranks: rewards, groups, reply tokens (the loss's denominator)
-    tokens, target_tokens = int(stats[6]), int(stats[4])
+    reward_sum, n_replies, flat_groups, n_groups, with_markers, target_tokens, tokens = stats.tolist()
+    target_tokens, tokens = int(target_tokens), int(tokens)
     rollout_time, train_start = time.perf_counter() - step_start, time.perf_counter()
 
     loss_sum = torch.zeros((), device=device)
@@ -265,9 +267,8 @@ while step < args.max_steps:
              "batch_size": batch_size, "tokens_per_s": tokens / step_time,
              "mfu": flops / step_time / (peak_flops * world_size) if peak_flops else None,
              "peak_mem_gb": step_peak_mem_gb, "peak_reserved_gb": common.peak_reserved_memory_gb(device),
-             "elapsed_s": time.perf_counter() - start_time, "reward": stats[0].item() / stats[1].item(),
-             "zero_spread_groups": stats[2].item() / stats[3].item(), "reply_tokens": stats[4].item() / stats[1].item(),
-             "with_markers": stats[5].item() / stats[1].item(), "rollout_s": rollout_time, "train_s": step_time})
+             "elapsed_s": time.perf_counter() - start_time, "reward": reward_sum / n_replies, "zero_spread_groups": flat_groups / n_groups,
+             "reply_tokens": target_tokens / n_replies, "with_markers": with_markers / n_replies, "rollout_s": rollout_time, "train_s": step_time})
     if step % args.eval_every == 0 or step == args.max_steps:
         val_loss, val_accuracy = evaluate()
         log({"step": step, "val_loss": val_loss, "val_accuracy": val_accuracy})
@@ -275,7 +276,7 @@ while step < args.max_steps:
         save_checkpoint(step, data_position)
     if rank == 0:
         progress.update(1)
-        progress.set_postfix(loss=f"{loss:.3f}", reward=f"{stats[0].item() / stats[1].item():.2f}", accuracy=val_accuracy)
+        progress.set_postfix(loss=f"{loss:.3f}", reward=f"{reward_sum / n_replies:.2f}", accuracy=val_accuracy)
 
 # ---------------------------------------------------------------------------------------------- end
 if rank == 0:

@@ -33,9 +33,10 @@ def generate_replies(model, prompts, max_new_tokens, temperature=0.0, top_k=None
         return real_generate_replies(model, prompts, max_new_tokens, temperature, top_k, synced)
     if mode == "uneven":
         return real_generate_replies(model, prompts, 1 if rank == 0 else max_new_tokens, temperature, top_k, synced)
-    # A group's prompts come one after another: j is a reply's place in its group.
-    places = [next(j for j in range(i + 1) if i - j == 0 or prompts[i - j - 1] != prompt) for i, prompt in enumerate(prompts)]
-    return [reply_saying(7 if mode == "constant" else j % 10) for j in places]
+    places = []  # a reply's place in its group: a group's prompts come one after another
+    for i, prompt in enumerate(prompts):
+        places.append(places[-1] + 1 if i and prompts[i - 1] == prompt else 0)
+    return [reply_saying(7 if mode == "constant" else place % 10) for place in places]
 
 
 common.generate_replies = generate_replies

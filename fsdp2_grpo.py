@@ -1,7 +1,10 @@
 """Reinforce the finetuned model with FSDP2 from verifiable rewards (GRPO-style): sample replies, reward right answers.
 
-    torchrun --standalone --nproc_per_node=2 fsdp2_grpo.py                    # default: after fsdp2_sft.py, builtin problems
-    torchrun --standalone --nproc_per_node=8 fsdp2_grpo.py --model qwen2-0.5b --data open-thoughts/OpenThoughts-114k --init-from runs/fsdp2_sft
+    torchrun --standalone --nproc_per_node=2 fsdp2_grpo.py                    # after fsdp2_sft.py; builtin problems
+    torchrun --standalone --nproc_per_node=8 fsdp2_grpo.py --model qwen2-0.5b --data data/openthoughts
+
+data/openthoughts is OpenThoughts-114k, tokenized once by prepare_data.py --sft (its docstring says how); the model
+starts from the newest checkpoint under runs/fsdp2_sft unless --init-from names another.
 """
 import json
 import os
@@ -13,51 +16,66 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
+import checkpoints
 import common
+import data
+import metrics
+import modeling
 
 SCRIPT = Path(__file__).stem  # names the run folder and is recorded in every checkpoint
 
 # ---------------------------------------------------------------------------------------------- setup
-args = common.finalize_args(common.get_parser(__doc__, f"runs/{SCRIPT}", stage="grpo").parse_args())
 rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 local_rank = int(os.environ.get("LOCAL_RANK", 0))
+args = common.finalize_args(common.get_parser(__doc__, f"runs/{SCRIPT}", stage="grpo").parse_args(), world_size)
 device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
 dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
 checkpoint_root = Path(args.out_dir) / "checkpoints"
-resume_dir = common.find_resume_checkpoint(args, checkpoint_root, SCRIPT)
-init_dir = common.find_init_checkpoint(args) if resume_dir is None else None  # a resume has its own weights
+resume_dir = checkpoints.find_resume_checkpoint(args, checkpoint_root, SCRIPT)
+init_dir = checkpoints.find_init_checkpoint(args) if resume_dir is None else None  # a resume has its own weights
 
 # ---------------------------------------------------------------------------------------------- data
 tokenizer = common.get_chat_tokenizer()  # GPT-2 BPE plus the role and reasoning markers
-train, val = common.load_sft_data(args, tokenizer)  # conversations with reference replies: the prompts and answers
-common.check_data(args, train, val, world_size, resume_dir)  # enough samples; on --resume, the checkpoint's data order
-# A prompt is a conversation up to its last <|assistant|>; its answer, the reference reply's text between the solution markers.
-train_prompts, train_answers, _ = common.answer_prompts(tokenizer, train, len(train.lengths))
+# Conversations with reference replies: the prompts and their answers.
+train, val = data.load_sft_data(args, tokenizer)
+data_order = data.data_order(args, train, val, world_size)  # what the sample order depends on (checked: enough samples)
+checkpoints.check_resume(resume_dir, args, data_order)  # --resume: the same data order; says which other flags changed
+# A prompt is a conversation up to its last <|assistant|>; its answer, the reference reply's text between the
+# solution markers.
+train_prompts, train_answers, _ = data.answer_prompts(tokenizer, train, len(train.lengths))
 if not train_prompts:
-    raise common.UsageError(f"--data {args.data}: no reply has an answer between <|begin_of_solution|> and <|end_of_solution|>, so nothing can be rewarded")
+    raise common.UsageError(f"--data {args.data}: no reply has an answer between <|begin_of_solution|> and "
+                            f"<|end_of_solution|>, so nothing can be rewarded")
 
 # ---------------------------------------------------------------------------------------------- distributed
 # Every input check is behind us: from here on the ranks talk to each other.
 if rank == 0:
-    common.remove_incomplete_checkpoints(checkpoint_root)  # what a crashed run left half-written
+    checkpoints.remove_incomplete_checkpoints(checkpoint_root)  # what a crashed run left half-written
 common.init_process_group(device)
 if device.type == "cuda":
     torch.cuda.set_device(device)
 
 # ---------------------------------------------------------------------------------------------- model
 torch.manual_seed(args.seed)  # the same init on every rank, and in every script
-model = common.build_model(args.model, args.activation_checkpointing)
-n_params, model_config = common.count_parameters(model), model.config
+model = modeling.build_model(args.model, args.activation_checkpointing)
+n_params, model_config = modeling.count_parameters(model), model.config
+if rank == 0:
+    common.write_config(args, SCRIPT, world_size, device, dtype, n_params)  # the start block, and <out-dir>/config.json
 if args.compile:
-    torch._dynamo.config.recompile_limit = 2 * len(args.buckets)  # one graph per bucket, training and evaluation (default 8)
+    torch._dynamo.config.recompile_limit = 2 * len(args.buckets)  # per bucket a training and an evaluation graph
     for layer in model.model.layers:  # regional: all layers share each bucket's graph; the wrappers' hooks stay outside
-        layer.compile(dynamic=False)  # in place, state_dict keys unchanged; static shapes: each bucket gets its own kernels
+        layer.compile(dynamic=False)  # in place (state_dict keys unchanged); static shapes: each bucket its own kernels
 
 # ---------------------------------------------------------------------------------------------- wrap
 # bf16: compute on bf16 copies of the gathered parameters; reduce gradients and keep the shards in fp32.
@@ -67,8 +85,8 @@ for layer in model.model.layers:  # one unit per decoder layer: only one layer i
 fully_shard(model, mp_policy=mixed_precision)  # the root: embedding, tied head, final norm; default mesh: all ranks
 
 # ---------------------------------------------------------------------------------------------- init from the SFT
-if init_dir is not None and common.is_hf_folder(init_dir):  # an export_hf.py folder: whole tensors, each rank keeps its shards
-    set_model_state_dict(model, common.hf_state_dict(init_dir), options=StateDictOptions(full_state_dict=True))
+if init_dir is not None and checkpoints.is_hf_folder(init_dir):  # export_hf.py's: whole tensors; each rank keeps shards
+    set_model_state_dict(model, checkpoints.hf_state_dict(init_dir), options=StateDictOptions(full_state_dict=True))
 elif init_dir is not None:
     model_state = get_model_state_dict(model)  # this rank's shards: DCP reads only those, nothing is gathered
     dcp.load(model_state, checkpoint_id=init_dir / "model")
@@ -78,8 +96,8 @@ elif init_dir is not None:
 # Matrices decay; biases and norm gains do not. Decided by name: under FSDP1 every parameter is a flat 1-D shard.
 decay = [p for name, p in model.named_parameters() if not (name.endswith("bias") or "norm" in name)]
 no_decay = [p for name, p in model.named_parameters() if name.endswith("bias") or "norm" in name]
-optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-                              lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
 
 
 # ---------------------------------------------------------------------------------------------- checkpoint
@@ -95,7 +113,7 @@ def save_checkpoint(step, data_position):
     dcp.save(get_model_state_dict(model), checkpoint_id=partial_dir / "model")  # DTensor shards, named as in the model
     dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=partial_dir / "optimizer")  # keyed by name too
     if rank == 0:
-        common.commit_checkpoint(partial_dir, args, SCRIPT, step, world_size)
+        checkpoints.commit_checkpoint(partial_dir, args, SCRIPT, step, world_size, data_order)
     dist.barrier()  # nobody runs ahead (or exits) before the checkpoint is committed
 
 
@@ -105,8 +123,7 @@ def load_checkpoint(checkpoint_dir):
     model_state, optimizer_state = get_model_state_dict(model), get_optimizer_state_dict(model, optimizer)
     dcp.load(model_state, checkpoint_id=checkpoint_dir / "model")
     dcp.load(optimizer_state, checkpoint_id=checkpoint_dir / "optimizer")
-    set_model_state_dict(model, model_state)
-    set_optimizer_state_dict(model, optimizer, optimizer_state)
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
     train_state = torch.load(checkpoint_dir / "train_state.pt", map_location="cpu", weights_only=True)
     torch.set_rng_state(train_state["rng"])
     return train_state["step"], train_state["data_position"]
@@ -116,23 +133,25 @@ def load_checkpoint(checkpoint_dir):
 step, data_position = 0, {"epoch": 0, "index": 0}
 if resume_dir is not None:
     step, data_position = load_checkpoint(resume_dir)
-    optimizer.param_groups[0]["weight_decay"] = args.weight_decay  # the load restored the checkpoint's; this run's flag wins
+    optimizer.param_groups[0]["weight_decay"] = args.weight_decay  # the load restored the checkpoint's: this run's wins
     if rank == 0:
         print(f"resumed from {resume_dir} at step {step}")
 
 
 def make_schedule(lengths, epoch, grad_accum, order):
-    return common.epoch_schedule(lengths, args.buckets, args.tokens_per_batch, world_size, grad_accum, args.seed, epoch, order)
+    return data.epoch_schedule(lengths, args.buckets, args.tokens_per_batch, world_size, grad_accum, args.seed,
+                               epoch, order)
 
 
 def prompt_schedule(epoch):  # all prompts as one bucket of length 1: a step takes prompts_per_step of them per rank
-    return common.epoch_schedule(np.ones(len(train_prompts), dtype=np.int64), [1], args.prompts_per_step, world_size, 1, args.seed, epoch)
+    return data.epoch_schedule(np.ones(len(train_prompts), dtype=np.int64), [1], args.prompts_per_step, world_size, 1,
+                               args.seed, epoch)
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
 val_schedule = make_schedule(val.lengths, 0, 1, "ascending")
 # Answer accuracy: greedy replies to held-out prompts, compared with the reference between the solution markers.
-val_prompts, val_answers, max_reply_tokens = common.answer_prompts(tokenizer, val, args.eval_generate)
+val_prompts, val_answers, max_reply_tokens = data.answer_prompts(tokenizer, val, args.eval_generate)
 
 
 @torch.no_grad()
@@ -141,12 +160,14 @@ def evaluate():
     model.eval()
     loss_sum = torch.zeros((), device=device)
     for bucket_len, samples in val_schedule:
-        batch_size = common.bucket_batch_size(args.tokens_per_batch, bucket_len)
-        input_ids, targets = common.collate(val, samples[rank::world_size], bucket_len, batch_size)
+        batch_size = data.bucket_batch_size(args.tokens_per_batch, bucket_len)
+        input_ids, targets = data.collate(val, samples[rank::world_size], bucket_len, batch_size)
         loss_sum += model(input_ids=input_ids.to(device), targets=targets.to(device))  # summed over the targets
     mine = list(range(rank, len(val_prompts), world_size))  # each rank answers its share, in one batch
-    replies = common.generate_replies(model, [val_prompts[i] for i in mine], max_reply_tokens, synced=True) if val_prompts else []
-    correct = torch.tensor(float(sum(common.solution_text(tokenizer, r) == val_answers[i] for i, r in zip(mine, replies))), device=device)
+    prompts = [val_prompts[i] for i in mine]
+    replies = modeling.generate_replies(model, prompts, max_reply_tokens, synced=True) if val_prompts else []
+    correct = sum(common.solution_text(tokenizer, reply) == val_answers[i] for i, reply in zip(mine, replies))
+    correct = torch.tensor(float(correct), device=device)
     dist.all_reduce(loss_sum)
     dist.all_reduce(correct)
     model.train()
@@ -155,19 +176,20 @@ def evaluate():
 
 # ---------------------------------------------------------------------------------------------- rollouts
 def rollout_split(prompts, replies):
-    """The step's rollouts in the layout collate reads (a Split): prompt + reply per sample, only the reply's tokens targets."""
+    """The step's rollouts as a Split, as collate reads it: prompt + reply per sample, the reply's tokens targets."""
     sequences = [np.array(prompt + reply, dtype=np.int64) for prompt, reply in zip(prompts, replies)]
     mask = [np.arange(len(sequence)) >= len(prompt) for sequence, prompt in zip(sequences, prompts)]
     lengths = np.array([len(sequence) for sequence in sequences], dtype=np.int64)
-    return common.Split(np.concatenate(sequences), np.concatenate(mask).astype(np.uint8), np.cumsum(lengths) - lengths, lengths,
-                        np.array([len(reply) for reply in replies]), "")
+    return data.Split(np.concatenate(sequences), np.concatenate(mask).astype(np.uint8), np.cumsum(lengths) - lengths,
+                      lengths, np.array([len(reply) for reply in replies]), "")
 
 
 # ---------------------------------------------------------------------------------------------- training loop
 Path(args.out_dir).mkdir(parents=True, exist_ok=True)
 if rank == 0:
-    metrics_file = common.open_metrics(Path(args.out_dir) / "metrics.jsonl", step if resume_dir else None)
-    writer = SummaryWriter(Path(args.out_dir) / "tensorboard", purge_step=step + 1 if resume_dir else None)  # drops a crashed run's later points
+    metrics_file = metrics.open_metrics(Path(args.out_dir) / "metrics.jsonl", step if resume_dir else None)
+    # On resume, TensorBoard drops a crashed run's points after the checkpoint's step.
+    writer = SummaryWriter(Path(args.out_dir) / "tensorboard", purge_step=step + 1 if resume_dir else None)
     progress = tqdm(total=args.max_steps, initial=step, desc=SCRIPT, dynamic_ncols=True)
 
 
@@ -180,11 +202,12 @@ def log(row):
                 writer.add_scalar(name, value, row["step"])
 
 
-peak_flops = common.device_peak_flops(device)
+peak_flops = metrics.device_peak_flops(device)
 schedule = prompt_schedule(data_position["epoch"])
 bucket_len = args.buckets[-1]  # every rollout is padded to the largest bucket: one shape, one graph under --compile
-batch_size = common.bucket_batch_size(args.tokens_per_batch, bucket_len)
-micro_batches = -(-args.prompts_per_step * args.group_size // batch_size)  # the same on every rank: each forward is collective
+batch_size = data.bucket_batch_size(args.tokens_per_batch, bucket_len)
+# The same number on every rank: each forward is collective.
+micro_batches = -(-args.prompts_per_step * args.group_size // batch_size)
 start_time, total_tokens, total_padded, run_peak_mem_gb = time.perf_counter(), 0, 0, 0.0
 val_loss, val_accuracy = evaluate() if step == 0 else (None, None)
 if step == 0:
@@ -196,18 +219,19 @@ while step < args.max_steps:
         schedule = prompt_schedule(data_position["epoch"])
     _, step_prompts = schedule[data_position["index"]]  # the step's prompts, all ranks'
     data_position = {**data_position, "index": data_position["index"] + 1}
-    common.reset_peak_memory(device)  # each row's peak is its own step's
+    metrics.reset_peak_memory(device)  # each row's peak is its own step's
     step_start = time.perf_counter()
 
     # Rollout: group_size replies to each of this rank's prompts, sampled from the current policy (temperature 1, no
     # top-k) with the seed a function of (seed, rank, step), so that a resume samples the very same replies.
-    mine = [int(i) for i in step_prompts[rank::world_size] for _ in range(args.group_size)]  # a prompt's group stays here
+    mine = [int(i) for i in step_prompts[rank::world_size] for _ in range(args.group_size)]  # a group stays on its rank
     prompts = [train_prompts[i] for i in mine]
     model.eval()
     model.set_reshard_after_forward(False)  # each layer is gathered at the first token and kept: not once per token
     torch.manual_seed(int(np.random.SeedSequence([args.seed, rank, step]).generate_state(1)[0]))
     with torch.no_grad():  # synced: all ranks step until all are done, as the gathers at the first token are collective
-        replies = common.generate_replies(model, prompts, bucket_len - max(map(len, prompts)), temperature=1.0, top_k=0, synced=True)
+        max_new_tokens = bucket_len - max(map(len, prompts))
+        replies = modeling.generate_replies(model, prompts, max_new_tokens, temperature=1.0, top_k=0, synced=True)
     model.set_reshard_after_forward(True)
     for module in [*model.model.layers, model]:
         module.reshard()  # back to shards for training: the gathered copies are freed
@@ -215,12 +239,12 @@ while step < args.max_steps:
     # Reward 1 for the reference answer between the solution markers, else 0 (no markers, or cut short: 0).
     answers = [common.solution_text(tokenizer, reply) for reply in replies]  # None: no pair of solution markers
     rewards = torch.tensor([float(answer == train_answers[i]) for i, answer in zip(mine, answers)])
-    advantages = common.group_advantages(rewards, args.group_size)  # reward minus its group's mean; equal rewards: all 0
+    advantages = common.group_advantages(rewards, args.group_size)  # reward minus its group's mean; all equal: all 0
     rollouts = rollout_split(prompts, replies)
     groups = rewards.view(-1, args.group_size)
-    stats = torch.tensor([rewards.sum(), len(rewards), (groups.max(1).values == groups.min(1).values).sum(), len(groups),
-                          sum(answer is not None for answer in answers), rollouts.target_counts.sum(), rollouts.lengths.sum()],
-                         dtype=torch.float64, device=device)
+    flat = (groups.max(1).values == groups.min(1).values).sum()  # groups whose rewards are all equal
+    stats = torch.tensor([rewards.sum(), len(rewards), flat, len(groups), sum(answer is not None for answer in answers),
+                          rollouts.target_counts.sum(), rollouts.lengths.sum()], dtype=torch.float64, device=device)
     dist.all_reduce(stats)  # the step's totals over all ranks: rewards, groups, reply tokens (the loss's denominator)
     reward_sum, n_replies, flat_groups, n_groups, with_markers, target_tokens, tokens = stats.tolist()
     target_tokens, tokens = int(target_tokens), int(tokens)
@@ -229,7 +253,7 @@ while step < args.max_steps:
     loss_sum = torch.zeros((), device=device)
     for micro in range(micro_batches):
         sample_ids = range(micro * batch_size, min((micro + 1) * batch_size, len(replies)))
-        input_ids, targets = common.collate(rollouts, sample_ids, bucket_len, batch_size)
+        input_ids, targets = data.collate(rollouts, sample_ids, bucket_len, batch_size)
         row_weights = torch.zeros(batch_size)
         row_weights[:len(sample_ids)] = advantages[sample_ids.start:sample_ids.stop]
         # Sum over the reply tokens of advantage x cross-entropy, divided by the reply tokens of the WHOLE step (all
@@ -237,9 +261,10 @@ while step < args.max_steps:
         # is the one being updated, so no importance ratio, no clipping and no reference model are needed. Reusing
         # rollouts for more steps would make them off-policy: PPO's ratio and clip would then have to come back.
         model.set_requires_gradient_sync(micro == micro_batches - 1)  # FSDP2's switch for no_sync()
-        # The weighted sum; the model makes logits only at target positions, a chunk at a time (common.build_model).
-        micro_loss_sum = model(input_ids=input_ids.to(device), targets=targets.to(device), weights=row_weights[:, None].to(device))
-        (micro_loss_sum * world_size / target_tokens).backward()  # every rank, every step: the gradient sync is collective
+        # The weighted sum; logits are made only at target positions, a chunk at a time (modeling.build_model).
+        micro_loss_sum = model(input_ids=input_ids.to(device), targets=targets.to(device),
+                               weights=row_weights[:, None].to(device))
+        (micro_loss_sum * world_size / target_tokens).backward()  # on every rank: the gradient sync is collective
         loss_sum += micro_loss_sum.detach()
     # The norm by hand, then the library clips with it: on CPU, torch's fp32 vector_norm (inside clip_grad_norm_)
     # drifts by ~1e-4 on large tensors (pytorch#169237), while a sum of squares is exact to ~1e-7.
@@ -247,8 +272,8 @@ while step < args.max_steps:
     torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.grad_clip or float("inf"), grad_norm)
     dist.all_reduce(loss_sum)  # for the log and the check: the gradients were already exact
     loss = loss_sum.item() / target_tokens
-    common.stop_if_nonfinite(step + 1, loss, grad_norm.item())  # global values: every rank stops here alike, before the update
-    lr = common.learning_rate(step, args)  # from the step and this run's flags (nanoGPT's way): a resume follows a new --lr
+    metrics.stop_if_nonfinite(step + 1, loss, grad_norm.item())  # global values: all ranks stop alike, before updating
+    lr = common.learning_rate(step, args)  # from the step and this run's flags: a resumed run follows a new --lr
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.step()
@@ -256,19 +281,20 @@ while step < args.max_steps:
     step += 1
 
     step_time = time.perf_counter() - train_start
-    step_peak_mem_gb = common.peak_memory_gb(device)
+    step_peak_mem_gb = metrics.peak_memory_gb(device)
     run_peak_mem_gb = max(run_peak_mem_gb, step_peak_mem_gb)
     padded_tokens = world_size * micro_batches * batch_size * bucket_len
     total_tokens, total_padded = total_tokens + tokens, total_padded + padded_tokens
+    flops = modeling.flops_per_token(n_params, model_config, bucket_len) * tokens
+    mfu = flops / step_time / (peak_flops * world_size) if peak_flops else None  # None where the peak is unknown (CPUs)
     if step % args.log_every == 0 or step == args.max_steps:
-        flops = common.flops_per_token(n_params, model_config, bucket_len) * tokens
         log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(), "tokens": tokens,
              "padded_tokens": padded_tokens, "target_tokens": target_tokens, "bucket_len": bucket_len,
              "batch_size": batch_size, "tokens_per_s": tokens / step_time,
-             "mfu": flops / step_time / (peak_flops * world_size) if peak_flops else None,
-             "peak_mem_gb": step_peak_mem_gb, "peak_reserved_gb": common.peak_reserved_memory_gb(device),
-             "elapsed_s": time.perf_counter() - start_time, "reward": reward_sum / n_replies, "zero_spread_groups": flat_groups / n_groups,
-             "reply_tokens": target_tokens / n_replies, "with_markers": with_markers / n_replies, "rollout_s": rollout_time, "train_s": step_time})
+             "mfu": mfu, "peak_mem_gb": step_peak_mem_gb, "peak_reserved_gb": metrics.peak_reserved_memory_gb(device),
+             "elapsed_s": time.perf_counter() - start_time, "reward": reward_sum / n_replies,
+             "zero_spread_groups": flat_groups / n_groups, "reply_tokens": target_tokens / n_replies,
+             "with_markers": with_markers / n_replies, "rollout_s": rollout_time, "train_s": step_time})
     if step % args.eval_every == 0 or step == args.max_steps:
         val_loss, val_accuracy = evaluate()
         log({"step": step, "val_loss": val_loss, "val_accuracy": val_accuracy})
@@ -276,7 +302,9 @@ while step < args.max_steps:
         save_checkpoint(step, data_position)
     if rank == 0:
         progress.update(1)
-        progress.set_postfix(loss=f"{loss:.3f}", reward=f"{reward_sum / n_replies:.2f}", accuracy=val_accuracy)
+        progress.set_postfix({"loss": f"{loss:.3f}", "reward": f"{reward_sum / n_replies:.2f}",
+                              **({"mfu": f"{mfu:.1%}"} if mfu else {}), "mem": f"{step_peak_mem_gb:.2f}GB",
+                              "accuracy": val_accuracy})
 
 # ---------------------------------------------------------------------------------------------- end
 if rank == 0:
@@ -284,9 +312,11 @@ if rank == 0:
     writer.close()
     metrics_file.close()
     elapsed = time.perf_counter() - start_time
-    print(f"done: {step} steps, val loss {val_loss if val_loss is None else round(val_loss, 4)}, answer accuracy {val_accuracy}, "
-          f"non-padding share {total_tokens / max(1, total_padded):.1%}, {total_tokens / elapsed:,.0f} tokens/s, {elapsed:.0f}s")
-param_elements, optimizer_elements = common.local_state_sizes(model, optimizer)
-print(f"rank {rank} holds {param_elements:,} parameter and {optimizer_elements:,} optimizer-state elements ({n_params:,} parameters in the model), peak memory in training {run_peak_mem_gb:.2f} GB")
+    print(f"done: {step} steps, val loss {val_loss if val_loss is None else round(val_loss, 4)}, "
+          f"answer accuracy {val_accuracy}, non-padding share {total_tokens / max(1, total_padded):.1%}, "
+          f"{total_tokens / elapsed:,.0f} tokens/s, {elapsed:.0f}s")
+param_elements, optimizer_elements = modeling.local_state_sizes(model, optimizer)
+print(f"rank {rank} holds {param_elements:,} parameter and {optimizer_elements:,} optimizer-state elements "
+      f"({n_params:,} parameters in the model), peak memory in training {run_peak_mem_gb:.2f} GB")
 dist.barrier()  # without it, a rank that exits first can abort the others' gloo teardown
 dist.destroy_process_group()

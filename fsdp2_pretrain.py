@@ -1,7 +1,9 @@
 """Pretrain a Qwen2-architecture LM with FSDP2: DTensor shards, model and optimizer checkpointed SEPARATELY.
 
     torchrun --standalone --nproc_per_node=2 fsdp2_pretrain.py                # default: small model, builtin data
-    torchrun --standalone --nproc_per_node=8 fsdp2_pretrain.py --model qwen2-0.5b --data HuggingFaceFW/fineweb-edu --data-config sample-10BT
+    torchrun --standalone --nproc_per_node=8 fsdp2_pretrain.py --model qwen2-0.5b --data data/fineweb-edu
+
+data/fineweb-edu is FineWeb-Edu's 10B-token sample, tokenized once by prepare_data.py (its docstring says how).
 """
 import json
 import os
@@ -12,46 +14,53 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
+import checkpoints
 import common
+import data
+import metrics
+import modeling
 
 SCRIPT = Path(__file__).stem  # names the run folder and is recorded in every checkpoint
 
 # ---------------------------------------------------------------------------------------------- setup
-args = common.finalize_args(common.get_parser(__doc__, f"runs/{SCRIPT}").parse_args())
 rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 local_rank = int(os.environ.get("LOCAL_RANK", 0))
+args = common.finalize_args(common.get_parser(__doc__, f"runs/{SCRIPT}").parse_args(), world_size)
 device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
 dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
 checkpoint_root = Path(args.out_dir) / "checkpoints"
-resume_dir = common.find_resume_checkpoint(args, checkpoint_root, SCRIPT)
+resume_dir = checkpoints.find_resume_checkpoint(args, checkpoint_root, SCRIPT)
 
 # ---------------------------------------------------------------------------------------------- data
 tokenizer = common.get_tokenizer()
-train, val = common.load_pretraining_data(args, tokenizer)  # Splits: sample starts, lengths and target counts over the memory-mapped tokens
-common.check_data(args, train, val, world_size, resume_dir)  # enough samples; on --resume, the checkpoint's data order
+# Splits: each sample's start, length and target count, as arrays over the memory-mapped tokens.
+train, val = data.load_pretraining_data(args, tokenizer)
+data_order = data.data_order(args, train, val, world_size)  # what the sample order depends on (checked: enough samples)
+checkpoints.check_resume(resume_dir, args, data_order)  # --resume: the same data order; says which other flags changed
 
 # ---------------------------------------------------------------------------------------------- distributed
 # Every input check is behind us: from here on the ranks talk to each other.
 if rank == 0:
-    common.remove_incomplete_checkpoints(checkpoint_root)  # what a crashed run left half-written
+    checkpoints.remove_incomplete_checkpoints(checkpoint_root)  # what a crashed run left half-written
 common.init_process_group(device)
 if device.type == "cuda":
     torch.cuda.set_device(device)
 
 # ---------------------------------------------------------------------------------------------- model
 torch.manual_seed(args.seed)  # the same init on every rank, and in every script
-model = common.build_model(args.model, args.activation_checkpointing)
-n_params, model_config = common.count_parameters(model), model.config
+model = modeling.build_model(args.model, args.activation_checkpointing)
+n_params, model_config = modeling.count_parameters(model), model.config
+if rank == 0:
+    common.write_config(args, SCRIPT, world_size, device, dtype, n_params)  # the start block, and <out-dir>/config.json
 if args.compile:
-    torch._dynamo.config.recompile_limit = 2 * len(args.buckets)  # one graph per bucket, training and evaluation (default 8)
+    torch._dynamo.config.recompile_limit = 2 * len(args.buckets)  # per bucket a training and an evaluation graph
     for layer in model.model.layers:  # regional: all layers share each bucket's graph; the wrappers' hooks stay outside
-        layer.compile(dynamic=False)  # in place, state_dict keys unchanged; static shapes: each bucket gets its own kernels
+        layer.compile(dynamic=False)  # in place (state_dict keys unchanged); static shapes: each bucket its own kernels
 
 # ---------------------------------------------------------------------------------------------- wrap
 # bf16: compute on bf16 copies of the gathered parameters; reduce gradients and keep the shards in fp32.
@@ -64,8 +73,8 @@ fully_shard(model, mp_policy=mixed_precision)  # the root: embedding, tied head,
 # Matrices decay; biases and norm gains do not. Decided by name: under FSDP1 every parameter is a flat 1-D shard.
 decay = [p for name, p in model.named_parameters() if not (name.endswith("bias") or "norm" in name)]
 no_decay = [p for name, p in model.named_parameters() if name.endswith("bias") or "norm" in name]
-optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-                              lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
 
 
 # ---------------------------------------------------------------------------------------------- checkpoint
@@ -81,7 +90,7 @@ def save_checkpoint(step, data_position):
     dcp.save(get_model_state_dict(model), checkpoint_id=partial_dir / "model")  # DTensor shards, named as in the model
     dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=partial_dir / "optimizer")  # keyed by name too
     if rank == 0:
-        common.commit_checkpoint(partial_dir, args, SCRIPT, step, world_size)
+        checkpoints.commit_checkpoint(partial_dir, args, SCRIPT, step, world_size, data_order)
     dist.barrier()  # nobody runs ahead (or exits) before the checkpoint is committed
 
 
@@ -91,8 +100,7 @@ def load_checkpoint(checkpoint_dir):
     model_state, optimizer_state = get_model_state_dict(model), get_optimizer_state_dict(model, optimizer)
     dcp.load(model_state, checkpoint_id=checkpoint_dir / "model")
     dcp.load(optimizer_state, checkpoint_id=checkpoint_dir / "optimizer")
-    set_model_state_dict(model, model_state)
-    set_optimizer_state_dict(model, optimizer, optimizer_state)
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
     train_state = torch.load(checkpoint_dir / "train_state.pt", map_location="cpu", weights_only=True)
     torch.set_rng_state(train_state["rng"])
     return train_state["step"], train_state["data_position"]
@@ -102,13 +110,14 @@ def load_checkpoint(checkpoint_dir):
 step, data_position = 0, {"epoch": 0, "index": 0}
 if resume_dir is not None:
     step, data_position = load_checkpoint(resume_dir)
-    optimizer.param_groups[0]["weight_decay"] = args.weight_decay  # the load restored the checkpoint's; this run's flag wins
+    optimizer.param_groups[0]["weight_decay"] = args.weight_decay  # the load restored the checkpoint's: this run's wins
     if rank == 0:
         print(f"resumed from {resume_dir} at step {step}")
 
 
 def make_schedule(lengths, epoch, grad_accum, order):
-    return common.epoch_schedule(lengths, args.buckets, args.tokens_per_batch, world_size, grad_accum, args.seed, epoch, order)
+    return data.epoch_schedule(lengths, args.buckets, args.tokens_per_batch, world_size, grad_accum, args.seed,
+                               epoch, order)
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
@@ -121,8 +130,8 @@ def evaluate():
     model.eval()
     loss_sum = torch.zeros((), device=device)
     for bucket_len, samples in val_schedule:
-        batch_size = common.bucket_batch_size(args.tokens_per_batch, bucket_len)
-        input_ids, targets = common.collate(val, samples[rank::world_size], bucket_len, batch_size)
+        batch_size = data.bucket_batch_size(args.tokens_per_batch, bucket_len)
+        input_ids, targets = data.collate(val, samples[rank::world_size], bucket_len, batch_size)
         loss_sum += model(input_ids=input_ids.to(device), targets=targets.to(device))  # summed over the targets
     dist.all_reduce(loss_sum)
     model.train()
@@ -132,8 +141,9 @@ def evaluate():
 # ---------------------------------------------------------------------------------------------- training loop
 Path(args.out_dir).mkdir(parents=True, exist_ok=True)
 if rank == 0:
-    metrics_file = common.open_metrics(Path(args.out_dir) / "metrics.jsonl", step if resume_dir else None)
-    writer = SummaryWriter(Path(args.out_dir) / "tensorboard", purge_step=step + 1 if resume_dir else None)  # drops a crashed run's later points
+    metrics_file = metrics.open_metrics(Path(args.out_dir) / "metrics.jsonl", step if resume_dir else None)
+    # On resume, TensorBoard drops a crashed run's points after the checkpoint's step.
+    writer = SummaryWriter(Path(args.out_dir) / "tensorboard", purge_step=step + 1 if resume_dir else None)
     progress = tqdm(total=args.max_steps, initial=step, desc=SCRIPT, dynamic_ncols=True)
 
 
@@ -146,7 +156,7 @@ def log(row):
                 writer.add_scalar(name, value, row["step"])
 
 
-peak_flops = common.device_peak_flops(device)
+peak_flops = metrics.device_peak_flops(device)
 schedule = make_schedule(train.lengths, data_position["epoch"], args.grad_accum, args.bucket_order)
 start_time, total_tokens, total_padded, run_peak_mem_gb = time.perf_counter(), 0, 0, 0.0
 val_loss = evaluate() if step == 0 else None
@@ -159,21 +169,22 @@ while step < args.max_steps:
         schedule = make_schedule(train.lengths, data_position["epoch"], args.grad_accum, args.bucket_order)
     bucket_len, step_samples = schedule[data_position["index"]]  # the step's samples, all ranks' and micro-batches'
     data_position = {**data_position, "index": data_position["index"] + 1}
-    batch_size = common.bucket_batch_size(args.tokens_per_batch, bucket_len)
+    batch_size = data.bucket_batch_size(args.tokens_per_batch, bucket_len)
     tokens = int(train.lengths[step_samples].sum())
     target_tokens = int(train.target_counts[step_samples].sum())  # positions with a loss, all ranks
-    common.reset_peak_memory(device)  # each row's peak is its own step's, so per bucket
+    metrics.reset_peak_memory(device)  # each row's peak is its own step's, so per bucket
     step_start = time.perf_counter()
 
     loss_sum = torch.zeros((), device=device)
     for micro in range(args.grad_accum):
-        sample_ids = step_samples[micro * world_size + rank::world_size * args.grad_accum]  # dealt round-robin: a short last step spreads evenly
-        input_ids, targets = common.collate(train, sample_ids, bucket_len, batch_size)
+        # Dealt round-robin, so that a bucket's short last step spreads evenly over the ranks.
+        sample_ids = step_samples[micro * world_size + rank::world_size * args.grad_accum]
+        input_ids, targets = data.collate(train, sample_ids, bucket_len, batch_size)
         # Divide by the target tokens of the WHOLE step (all ranks, all micro-batches), not by this batch's:
         # a long sample then weighs as much as it would in one big batch. The gradient sync averages over
         # ranks, so we multiply by world_size to turn that average back into the sum.
         model.set_requires_gradient_sync(micro == args.grad_accum - 1)  # FSDP2's switch for no_sync()
-        # The summed loss; the model makes logits only at target positions, a chunk at a time (common.build_model).
+        # The summed loss; logits are made only at target positions, a chunk at a time (modeling.build_model).
         micro_loss_sum = model(input_ids=input_ids.to(device), targets=targets.to(device))
         (micro_loss_sum * world_size / target_tokens).backward()
         loss_sum += micro_loss_sum.detach()
@@ -183,8 +194,8 @@ while step < args.max_steps:
     torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.grad_clip or float("inf"), grad_norm)
     dist.all_reduce(loss_sum)  # for the log and the check: the gradients were already exact
     loss = loss_sum.item() / target_tokens
-    common.stop_if_nonfinite(step + 1, loss, grad_norm.item())  # global values: every rank stops here alike, before the update
-    lr = common.learning_rate(step, args)  # from the step and this run's flags (nanoGPT's way): a resume follows a new --lr
+    metrics.stop_if_nonfinite(step + 1, loss, grad_norm.item())  # global values: all ranks stop alike, before updating
+    lr = common.learning_rate(step, args)  # from the step and this run's flags: a resumed run follows a new --lr
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.step()
@@ -192,17 +203,17 @@ while step < args.max_steps:
     step += 1
 
     step_time = time.perf_counter() - step_start
-    step_peak_mem_gb = common.peak_memory_gb(device)
+    step_peak_mem_gb = metrics.peak_memory_gb(device)
     run_peak_mem_gb = max(run_peak_mem_gb, step_peak_mem_gb)
     padded_tokens = world_size * args.grad_accum * batch_size * bucket_len
     total_tokens, total_padded = total_tokens + tokens, total_padded + padded_tokens
+    flops = modeling.flops_per_token(n_params, model_config, bucket_len) * tokens
+    mfu = flops / step_time / (peak_flops * world_size) if peak_flops else None  # None where the peak is unknown (CPUs)
     if step % args.log_every == 0 or step == args.max_steps:
-        flops = common.flops_per_token(n_params, model_config, bucket_len) * tokens
         log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(), "tokens": tokens,
              "padded_tokens": padded_tokens, "target_tokens": target_tokens, "bucket_len": bucket_len,
              "batch_size": batch_size, "tokens_per_s": tokens / step_time,
-             "mfu": flops / step_time / (peak_flops * world_size) if peak_flops else None,
-             "peak_mem_gb": step_peak_mem_gb, "peak_reserved_gb": common.peak_reserved_memory_gb(device),
+             "mfu": mfu, "peak_mem_gb": step_peak_mem_gb, "peak_reserved_gb": metrics.peak_reserved_memory_gb(device),
              "elapsed_s": time.perf_counter() - start_time})
     if step % args.eval_every == 0 or step == args.max_steps:
         val_loss = evaluate()
@@ -211,7 +222,9 @@ while step < args.max_steps:
         save_checkpoint(step, data_position)
     if rank == 0:
         progress.update(1)
-        progress.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens / step_time:,.0f}", bucket=bucket_len)
+        progress.set_postfix({"loss": f"{loss:.3f}", "tok/s": f"{tokens / step_time:,.0f}",
+                              **({"mfu": f"{mfu:.1%}"} if mfu else {}), "mem": f"{step_peak_mem_gb:.2f}GB",
+                              "bucket": bucket_len})
 
 # ---------------------------------------------------------------------------------------------- end
 if rank == 0:
@@ -220,8 +233,10 @@ if rank == 0:
     metrics_file.close()
     elapsed = time.perf_counter() - start_time
     print(f"done: {step} steps, val loss {val_loss if val_loss is None else round(val_loss, 4)}, "
-          f"non-padding share {total_tokens / max(1, total_padded):.1%}, {total_tokens / elapsed:,.0f} tokens/s, {elapsed:.0f}s")
-param_elements, optimizer_elements = common.local_state_sizes(model, optimizer)
-print(f"rank {rank} holds {param_elements:,} parameter and {optimizer_elements:,} optimizer-state elements ({n_params:,} parameters in the model), peak memory in training {run_peak_mem_gb:.2f} GB")
+          f"non-padding share {total_tokens / max(1, total_padded):.1%}, {total_tokens / elapsed:,.0f} tokens/s, "
+          f"{elapsed:.0f}s")
+param_elements, optimizer_elements = modeling.local_state_sizes(model, optimizer)
+print(f"rank {rank} holds {param_elements:,} parameter and {optimizer_elements:,} optimizer-state elements "
+      f"({n_params:,} parameters in the model), peak memory in training {run_peak_mem_gb:.2f} GB")
 dist.barrier()  # without it, a rank that exits first can abort the others' gloo teardown
 dist.destroy_process_group()

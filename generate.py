@@ -7,36 +7,42 @@
 CHECKPOINT is a checkpoint folder (runs/X/checkpoints/step_N), a run's --out-dir (its newest checkpoint), or a
 folder written by export_hf.py.
 """
-import argparse
 import sys
 
 import torch
 
+import checkpoints
 import common
-import export_hf
+import modeling
 
-parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("checkpoint", help="a checkpoint folder, a run folder (its newest checkpoint is used), or an export_hf.py folder")
-parser.add_argument("--prompt", default=None, help="text to continue; with --chat, the user's message (no prompt: interactive)")
-parser.add_argument("--chat", action="store_true", help="treat the prompt as a user turn of the SFT chat format; stop at the end of the reply")
-parser.add_argument("--system", default=None, help="system message for --chat (default: the built-in set's, for a model finetuned on it)")
-parser.add_argument("--max-new-tokens", type=int, default=200, help="most tokens to generate per reply")
-parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
-parser.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (with --temperature > 0)")
-parser.add_argument("--seed", type=int, default=1337, help="seeds the sampling")
+parser = common.ArgumentParser(__doc__)
+parser.add_argument("checkpoint",
+                    help="a checkpoint folder, a run folder (its newest checkpoint is used), or an export_hf.py folder")
+parser.add_argument("--prompt", default=None,
+                    help="text to continue; with --chat, the user's message (no prompt: an interactive chat)")
+parser.add_argument("--chat", action="store_true",
+                    help="treat the prompt as a user turn of the SFT chat format; stop at the end of the reply")
+parser.add_argument("--system", default=None,
+                    help="system message for --chat (default: the built-in set's, for a model finetuned on it)")
+parser.add_argument("--max-new-tokens", type=common.COUNT, default=200, help="most tokens to generate per reply")
+parser.add_argument("--temperature", type=common.NON_NEGATIVE, default=0.0, help="sampling temperature; 0 = greedy")
+parser.add_argument("--top-k", type=common.NON_NEGATIVE_INT, default=50,
+                    help="sample among the k most likely tokens (with --temperature > 0; 0 = all)")
+parser.add_argument("--seed", type=common.NON_NEGATIVE_INT, default=1337, help="seeds the sampling")
 args = parser.parse_args()
 if not args.chat and args.prompt is None:
     parser.error("--prompt is required without --chat")
 
 device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-model, meta = export_hf.load_checkpoint_model(export_hf.resolve_checkpoint(args.checkpoint), device)
+model, meta = checkpoints.load_checkpoint_model(checkpoints.resolve_checkpoint(args.checkpoint), device)
 tokenizer = common.get_chat_tokenizer()  # GPT-2 BPE plus the SFT markers, which a pretrained model never saw
 torch.manual_seed(args.seed)
 
 
 def reply(prompt_tokens):
     with torch.no_grad():
-        new_tokens = common.generate_replies(model, [prompt_tokens], args.max_new_tokens, args.temperature, args.top_k)[0]
+        new_tokens = modeling.generate_replies(model, [prompt_tokens], args.max_new_tokens, args.temperature,
+                                               args.top_k)[0]
     if new_tokens and new_tokens[-1] in (common.SPECIAL_TOKENS[common.END_OF_TURN], common.EOT_ID):
         new_tokens = new_tokens[:-1]  # the stop marker ends the reply; it is not part of it
     return tokenizer.decode(new_tokens), new_tokens
@@ -46,7 +52,8 @@ if not args.chat:  # a pretrained (or any) model continues plain text
     print(args.prompt + reply(tokenizer.encode_ordinary(args.prompt))[0])
     sys.exit(0)
 
-system = args.system if args.system is not None else (common.BUILTIN_SYSTEM_PROMPT if meta.get("data") == "builtin" else "")
+builtin_system = common.BUILTIN_SYSTEM_PROMPT if meta.get("data") == "builtin" else ""
+system = args.system if args.system is not None else builtin_system
 conversation = [("system", system)] if system else []
 while True:
     message = args.prompt if args.prompt is not None else input("user> ")

@@ -1,7 +1,8 @@
-"""Tokenize a corpus once into memory-mapped files: what the training scripts read, at any scale.
+r"""Tokenize a corpus once into memory-mapped files: what the training scripts read, at any scale.
 
-    python prepare_data.py --data HuggingFaceFW/fineweb-edu --data-config sample-10BT --max-docs 0 --out-dir data/fineweb-edu-10BT
-    torchrun --standalone --nproc_per_node=8 fsdp2_pretrain.py --model qwen2-0.5b --data data/fineweb-edu-10BT
+    python prepare_data.py --data HuggingFaceFW/fineweb-edu --data-config sample-10BT --max-docs 0 \
+        --out-dir data/fineweb-edu
+    torchrun --standalone --nproc_per_node=8 fsdp2_pretrain.py --model qwen2-0.5b --data data/fineweb-edu
     python prepare_data.py --sft --data open-thoughts/OpenThoughts-114k --max-docs 0 --out-dir data/openthoughts
 
 A prepared folder holds
@@ -17,7 +18,6 @@ corpus. Given any other --data (builtin, files, a hub name), they prepare it the
 per machine. Sources: 'builtin', local .txt (a document per file), .jsonl/.json (a document per row), .parquet
 (read a record batch at a time), a folder of one of these kinds, or a Hugging Face hub dataset (streamed).
 """
-import argparse
 import functools
 import hashlib
 import itertools
@@ -35,6 +35,19 @@ import numpy as np
 import common
 
 BATCH_ROWS = 1024  # rows per tokenization task: enough to amortize the hand-off, small enough to bound memory
+DATA_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
+PREPARED_FORMAT, PREPARED_VERSION = "llm-reference-tokens", 1
+
+
+def tokenizer_identity(tokenizer):
+    """What a prepared folder's ids depend on: the encoding's name, its BPE files and its special tokens."""
+    return {"name": tokenizer.name, "vocab_bpe_sha256": common.GPT2_VOCAB_BPE_SHA256,
+            "encoder_json_sha256": common.GPT2_ENCODER_JSON_SHA256,
+            "special_tokens": dict(sorted(tokenizer._special_tokens.items(), key=lambda item: item[1]))}
+
+
+def available_cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -44,9 +57,8 @@ def builtin_documents():
     """Real English prose that ships with every CPython: the interpreter's help topics (pydoc_data)
     and the longer docstrings of the standard library, one document per module."""
     import ast
-    import sysconfig
-
     import pydoc_data.topics
+    import sysconfig
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     documents = [pydoc_data.topics.topics[name] for name in sorted(pydoc_data.topics.topics)]
@@ -93,7 +105,7 @@ def builtin_reasoning_records(n=10_000, seed=0):
             first, op, operand = int(terms[0]), terms[1], int(terms[2])
             terms = [str(first + operand if op == "+" else first - operand), *terms[3:]]
             steps.append(f"{first} {op} {operand} = {terms[0]}" + (f", so {' '.join(terms)}" if len(terms) > 1 else ""))
-        thoughts = "First, " + "; ".join(steps)  # a word first, so every number is the same " 5" token as in the question
+        thoughts = "First, " + "; ".join(steps)  # a word first: every number is the same " 5" token as in the question
         answer = (f"<|begin_of_thought|>\n\n{thoughts}\n\n<|end_of_thought|>\n\n"
                   f"<|begin_of_solution|>\n\nThe answer is {value}.\n\n<|end_of_solution|>")
         records.append({"system": common.BUILTIN_SYSTEM_PROMPT, "conversations": [
@@ -102,19 +114,30 @@ def builtin_reasoning_records(n=10_000, seed=0):
 
 
 def looks_local(data):
-    return os.path.exists(os.path.expanduser(data)) or data.startswith((".", "/", "~")) or data.endswith(common.DATA_SUFFIXES)
+    return os.path.exists(os.path.expanduser(data)) or data.startswith((".", "/", "~")) or data.endswith(DATA_SUFFIXES)
+
+
+def is_saved_dataset(path):
+    """A folder written by datasets' save_to_disk: a Dataset (state.json) or a DatasetDict (dataset_dict.json)."""
+    return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
 
 
 def data_files(data):
     """The local files --data names, checked: they exist, are of one kind, and are not all empty."""
     path = Path(data).expanduser()
     if not path.exists():
-        raise common.UsageError(f"--data {data} does not exist: pass an existing file or folder, a hub dataset name, or 'builtin'")
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in common.DATA_SUFFIXES and p.is_file())
+        raise common.UsageError(f"--data {data} does not exist: pass an existing file or folder, a hub dataset name, "
+                                f"or 'builtin'")
+    if path.is_dir() and is_saved_dataset(path):  # its own files: arrow shards and the json that describes them
+        return sorted(p for p in path.rglob("*") if p.is_file())
+    files = [path] if path.is_file() else [p for p in sorted(path.rglob("*")) if p.suffix in DATA_SUFFIXES]
+    files = [f for f in files if f.is_file()]
     if not files:
-        raise common.UsageError(f"--data {data} holds no {'/'.join(common.DATA_SUFFIXES)} files")
+        raise common.UsageError(f"--data {data} holds no {'/'.join(DATA_SUFFIXES)} files, nor a dataset written by "
+                                f"save_to_disk")
     if all(f.stat().st_size == 0 for f in files):
-        raise common.UsageError(f"--data {data} {'is an empty file' if path.is_file() else 'holds only empty files'}: point it at data")
+        raise common.UsageError(f"--data {data} {'is an empty file' if path.is_file() else 'holds only empty files'}: "
+                                f"point it at data")
     suffixes = {f.suffix for f in files}
     if len(suffixes) > 1:
         raise common.UsageError(f"--data {data} mixes file types ({', '.join(sorted(suffixes))}): point it at one kind")
@@ -140,12 +163,28 @@ def read_file(path, text_field):
             yield record_batch.to_pylist()
     else:
         with open(path, encoding="utf-8") as lines:
-            if path.suffix == ".json" and lines.read(1) == "[":  # a JSON array of rows: read whole (large corpora use .jsonl)
+            # A JSON array of rows is read whole (large corpora come as .jsonl).
+            if path.suffix == ".json" and lines.read(1) == "[":
                 lines.seek(0)
                 yield from batched(json.load(lines))
                 return
             lines.seek(0)
             yield from batched(json.loads(line) for line in lines if line.strip())
+
+
+def read_saved_dataset(path):
+    """Batches of rows of a save_to_disk folder (a DatasetDict: its train split), read from its arrow files."""
+    import datasets
+
+    dataset = datasets.load_from_disk(str(path))
+    if isinstance(dataset, datasets.DatasetDict):
+        if "train" not in dataset:
+            raise common.UsageError(f"--data {path} holds the splits {', '.join(dataset)} and no 'train' split: "
+                                    f"point --data at the split's own folder")
+        dataset = dataset["train"]
+    for start in range(0, len(dataset), BATCH_ROWS):
+        columns = dataset[start:start + BATCH_ROWS]
+        yield [dict(zip(columns, values)) for values in zip(*columns.values())]
 
 
 def read_rows(args):
@@ -158,19 +197,26 @@ def read_rows(args):
             rows = datasets.load_dataset(args.data, args.data_config, split="train", streaming=True)
             yield from batched(rows.take(args.max_docs) if args.max_docs else rows)
         except Exception as error:
-            raise common.UsageError(f"--data {args.data} could not be loaded from the Hugging Face hub ({common.error_reason(error)}): "
-                                    f"check the name, --data-config and the network") from None
+            raise common.UsageError(f"--data {args.data} could not be loaded from the Hugging Face hub "
+                                    f"({common.error_reason(error)}): check the name, --data-config and the "
+                                    f"network") from None
         return
-    for path in data_files(args.data):
+    path, files = Path(args.data).expanduser(), data_files(args.data)  # checked: a bad path is one error line
+    if path.is_dir() and is_saved_dataset(path):
+        sources = [(path, read_saved_dataset(path))]
+    else:
+        sources = [(file, read_file(file, args.text_field)) for file in files]
+    for path, batches in sources:
         try:
-            for rows in read_file(path, args.text_field):
+            for rows in batches:
                 if not all(isinstance(row, dict) for row in rows):
                     raise ValueError("a row is not a JSON object")
                 yield rows
         except common.UsageError:
             raise
-        except Exception as error:  # UnicodeDecodeError, a broken JSON line, a file that is not parquet: one line, the file named
-            raise common.UsageError(f"--data {args.data} could not be read ({path.name}: {common.error_reason(error)})") from None
+        except Exception as error:  # UnicodeDecodeError, a broken JSON line, a file that is not parquet: one line
+            raise common.UsageError(f"--data {args.data} could not be read ({path.name}: "
+                                    f"{common.error_reason(error)})") from None
 
 
 def pretraining_texts(args):
@@ -180,8 +226,10 @@ def pretraining_texts(args):
         return
     for rows in read_rows(args):
         if rows and args.text_field not in rows[0]:
-            raise common.UsageError(f"--data {args.data} has no column '{args.text_field}' (columns: {', '.join(rows[0])}): set --text-field")
-        yield [row[args.text_field] for row in rows if isinstance(row.get(args.text_field), str) and row[args.text_field].strip()]
+            raise common.UsageError(f"--data {args.data} has no column '{args.text_field}' (columns: "
+                                    f"{', '.join(rows[0])}): set --text-field")
+        texts = [row.get(args.text_field) for row in rows]
+        yield [text for text in texts if isinstance(text, str) and text.strip()]
 
 
 def conversation_messages(row, data):
@@ -194,10 +242,12 @@ def conversation_messages(row, data):
     elif isinstance(row.get("messages"), list):
         messages = [(turn.get("role"), turn.get("content")) for turn in row["messages"]]
     else:
-        raise common.UsageError(f"--data {data}: a row has neither 'conversations' (OpenThoughts) nor 'messages' (columns: {', '.join(row)})")
+        raise common.UsageError(f"--data {data}: a row has neither 'conversations' (OpenThoughts) nor 'messages' "
+                                f"(columns: {', '.join(row)})")
     for role, text in messages:
         if role not in common.ROLE_MARKERS or not isinstance(text, str):
-            raise common.UsageError(f"--data {data}: a turn has role {role!r} (expected system, user or assistant) or no text")
+            raise common.UsageError(f"--data {data}: a turn has role {role!r} (expected system, user or assistant) "
+                                    f"or no text")
     if not any(role == "assistant" for role, _ in messages):
         raise common.UsageError(f"--data {data}: a conversation has no assistant turn, so nothing to learn from")
     return messages
@@ -231,8 +281,10 @@ def encode_conversations(conversations):
     """Token ids, loss mask (1: a target) and length of each conversation, in the SFT chat format."""
     encoded = [common.encode_conversation(encoding("gpt2-chat"), messages) for messages in conversations]
     lengths = np.array([len(tokens) for tokens, _ in encoded], dtype=np.int64)
-    tokens = np.fromiter(itertools.chain.from_iterable(tokens for tokens, _ in encoded), dtype=np.int64, count=int(lengths.sum()))
-    labels = np.fromiter(itertools.chain.from_iterable(labels for _, labels in encoded), dtype=np.int64, count=len(tokens))
+    tokens = np.fromiter(itertools.chain.from_iterable(tokens for tokens, _ in encoded), dtype=np.int64,
+                         count=int(lengths.sum()))
+    labels = np.fromiter(itertools.chain.from_iterable(labels for _, labels in encoded), dtype=np.int64,
+                         count=len(tokens))
     return tokens, (labels != common.IGNORE_INDEX).astype(np.uint8), lengths
 
 
@@ -257,7 +309,8 @@ def ordered_map(function, batches, workers):
 def as_uint16(tokens):
     """The ids as uint16, the file's type; an id that does not fit is an error, never a silent wrap-around."""
     if len(tokens) and (tokens.min() < 0 or tokens.max() > np.iinfo(np.uint16).max):
-        raise ValueError(f"token id {int(tokens.max())} does not fit in uint16 (at most 65,535): tokens.bin cannot hold this vocabulary")
+        raise ValueError(f"token id {int(tokens.max())} does not fit in uint16 (at most 65,535): tokens.bin cannot "
+                         f"hold this vocabulary")
     return tokens.astype(np.uint16)
 
 
@@ -266,8 +319,10 @@ def as_uint16(tokens):
 
 def source_identity(args, kind):
     """What the prepared tokens are a function of: --cache-dir names its folders by this."""
-    if args.data == "builtin":  # the pretraining text comes from this very interpreter; the SFT set from its generator
-        source = ["builtin", sys.version] if kind == "pretrain" else ["builtin", hashlib.sha256(json.dumps(builtin_reasoning_records()).encode()).hexdigest()]
+    if args.data == "builtin" and kind == "pretrain":  # the text comes from this very interpreter
+        source = ["builtin", sys.version]
+    elif args.data == "builtin":  # the SFT set, from its generator
+        source = ["builtin", hashlib.sha256(json.dumps(builtin_reasoning_records()).encode()).hexdigest()]
     elif looks_local(args.data) and Path(args.data).expanduser().exists():
         source = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in data_files(args.data)]
     else:
@@ -298,12 +353,16 @@ def prepare(args, kind, out_dir, workers, progress=True):
     partial = out_dir.with_name(f".{out_dir.name}.partial-{socket.gethostname()}-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir()
-    batches, encode = (pretraining_texts(args), encode_documents) if kind == "pretrain" else (sft_conversations(args), encode_conversations)
+    if kind == "pretrain":
+        batches, encode = pretraining_texts(args), encode_documents
+    else:
+        batches, encode = sft_conversations(args), encode_conversations
     names = ["tokens.bin"] + (["loss_mask.bin"] if kind == "sft" else [])
     digests, lengths = {name: hashlib.sha256() for name in names}, []
     try:
         files = {name: open(partial / name, "wb") for name in names}
-        with tqdm(desc=f"tokenizing {args.data}", unit="tok", unit_scale=True, disable=not progress, mininterval=1) as bar:
+        with tqdm(desc=f"tokenizing {args.data}", unit="tok", unit_scale=True, disable=not progress,
+                  mininterval=1) as bar:
             for tokens, mask, doc_lengths in ordered_map(encode, batches, workers):
                 for name, array in zip(names, (as_uint16(tokens), mask)):  # pretraining: tokens.bin only
                     files[name].write(array)
@@ -315,14 +374,17 @@ def prepare(args, kind, out_dir, workers, progress=True):
         offsets = np.concatenate([[0], np.cumsum(np.concatenate(lengths or [np.zeros(0, np.int64)]))]).astype(np.int64)
         if len(offsets) == 1:
             what = "documents" if kind == "pretrain" else "conversations"
-            raise common.UsageError(f"--data {args.data} holds no {what}: check the path, --data-config and --text-field")
+            raise common.UsageError(f"--data {args.data} holds no {what}: check the path, --data-config and "
+                                    f"--text-field")
         np.save(partial / "doc_offsets.npy", offsets)
         digests["doc_offsets.npy"] = hashlib.sha256((partial / "doc_offsets.npy").read_bytes())
-        files = {name: {"bytes": (partial / name).stat().st_size, "sha256": digest.hexdigest()} for name, digest in digests.items()}
-        meta = {"format": common.PREPARED_FORMAT, "version": common.PREPARED_VERSION, "kind": kind,
-                "tokenizer": common.tokenizer_identity(encoding("gpt2" if kind == "pretrain" else "gpt2-chat")),
-                "source": source_identity(args, kind), "documents": len(offsets) - 1, "tokens": int(offsets[-1]), "files": files,
-                "content_sha256": hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()}  # names the data in checkpoints
+        files = {name: {"bytes": (partial / name).stat().st_size, "sha256": digest.hexdigest()}
+                 for name, digest in digests.items()}
+        meta = {"format": PREPARED_FORMAT, "version": PREPARED_VERSION, "kind": kind,
+                "tokenizer": tokenizer_identity(encoding("gpt2" if kind == "pretrain" else "gpt2-chat")),
+                "source": source_identity(args, kind), "documents": len(offsets) - 1, "tokens": int(offsets[-1]),
+                "files": files,  # names the data in checkpoints, through this hash of the files' hashes:
+                "content_sha256": hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()}
         (partial / "meta.json").write_text(json.dumps(meta, indent=2))  # last: a folder without it is not complete
         try:
             os.rename(partial, out_dir)
@@ -337,21 +399,21 @@ def prepare(args, kind, out_dir, workers, progress=True):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_data_arguments(parser.add_argument)
-    parser.add_argument("--out-dir", required=True, help="the prepared folder to write (must not exist yet)")
-    parser.add_argument("--sft", action="store_true", help="conversations for fsdp2_sft.py (tokens plus a loss mask), not pretraining text")
-    parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-                        help="tokenizing processes (default: every core)")
-    args = parser.parse_args()
-    if args.workers < 1:
-        raise common.UsageError("--workers must be at least 1")
-    if Path(args.out_dir).exists():
-        raise common.UsageError(f"--out-dir {args.out_dir} already exists: choose a new folder (a prepared folder is never overwritten)")
     import time
 
+    parser = common.ArgumentParser(__doc__)
+    common.add_data_arguments(parser.add_argument)
+    parser.add_argument("--out-dir", required=True, help="the prepared folder to write (must not exist yet)")
+    parser.add_argument("--sft", action="store_true",
+                        help="conversations for fsdp2_sft.py (tokens plus a loss mask), not pretraining text")
+    parser.add_argument("--workers", type=common.COUNT, default=available_cores(),
+                        help="tokenizing processes (the default: one per core)")
+    args = parser.parse_args()
+    if Path(args.out_dir).exists():
+        raise common.UsageError(f"--out-dir {args.out_dir} already exists: choose a new folder (a prepared folder is "
+                                f"never overwritten)")
     start = time.perf_counter()
     meta = prepare(args, "sft" if args.sft else "pretrain", args.out_dir, args.workers)
     seconds = time.perf_counter() - start
-    print(f"prepared {meta['documents']:,} {'conversations' if args.sft else 'documents'}, {meta['tokens']:,} tokens in {seconds:.1f} s "
-          f"({meta['tokens'] / seconds:,.0f} tokens/s, {args.workers} workers) into {args.out_dir}")
+    print(f"prepared {meta['documents']:,} {'conversations' if args.sft else 'documents'}, {meta['tokens']:,} tokens "
+          f"in {seconds:.1f} s ({meta['tokens'] / seconds:,.0f} tokens/s, {args.workers} workers) into {args.out_dir}")

@@ -18,6 +18,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
+import data  # noqa: E402
+import modeling  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("mode", choices=["bare", "trainer", "trl"])
@@ -34,40 +36,45 @@ rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZ
 stage = "sft" if cli.mode == "trl" else "train"
 args = common.finalize_args(common.get_parser("", cli.out_dir, stage).parse_args(
     ["--model", cli.model, "--data", cli.data, "--out-dir", cli.out_dir]
-    + (["--buckets", cli.buckets] if cli.buckets else []) + (["--tokens-per-batch", str(cli.tokens_per_batch)] if cli.tokens_per_batch else [])))
+    + (["--buckets", cli.buckets] if cli.buckets else [])
+    + (["--tokens-per-batch", str(cli.tokens_per_batch)] if cli.tokens_per_batch else [])))
 
 
 def report(tokens, padded_tokens, seconds, **extra):
     """One line from rank 0; the (non-padding and padded) tokens are this rank's, summed over ranks here."""
-    totals = torch.tensor([float(tokens), float(padded_tokens)], device="cuda" if torch.cuda.is_available() else "cpu")  # NCCL: on the GPU
+    # NCCL reduces only tensors on the GPU.
+    totals = torch.tensor([float(tokens), float(padded_tokens)],
+                          device="cuda" if torch.cuda.is_available() else "cpu")
     if dist.is_initialized():
         dist.all_reduce(totals)
     tokens, padded_tokens = map(int, totals.tolist())
     if rank == 0:
-        print("result " + json.dumps({"mode": cli.mode, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-                                      "non_padding": tokens / padded_tokens, **extra}), flush=True)
+        print("result " + json.dumps({"mode": cli.mode, "tokens": tokens, "seconds": seconds,
+                                      "tokens_per_s": tokens / seconds, "non_padding": tokens / padded_tokens,
+                                      **extra}), flush=True)
 
 
 def hf_model():
     """A plain Qwen2ForCausalLM of the preset's shape: transformers' own forward and loss (full logits)."""
     torch.manual_seed(args.seed)
-    model = common.build_model(args.model)
+    model = modeling.build_model(args.model)
     del model.forward  # back to the class's forward: what Trainer and TRL call with labels=
     return model
 
 
 if cli.mode == "bare":
-    # Our DDP batches, and nothing but forward, backward and the optimizer step: the floor our loop is measured against.
-    # The same device, precision and compilation as ddp_pretrain.py.
+    # Our DDP batches, and nothing but forward, backward and the optimizer step: the floor our loop is measured
+    # against. The same device, precision and compilation as ddp_pretrain.py.
     from torch.nn.parallel import DistributedDataParallel
 
-    train, _ = common.load_pretraining_data(args, common.get_tokenizer())
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    train, _ = data.load_pretraining_data(args, common.get_tokenizer())
+    device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available()
+              else torch.device("cpu"))
     common.init_process_group(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.manual_seed(args.seed)
-    model = common.build_model(args.model).to(device)
+    model = modeling.build_model(args.model).to(device)
     if cli.compile:  # as the scripts compile: each layer, static shapes, one graph per bucket for training
         torch._dynamo.config.recompile_limit = 2 * len(args.buckets)
         for layer in model.model.layers:
@@ -75,7 +82,7 @@ if cli.mode == "bare":
     model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     model.forward = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")(model.forward)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), fused=True)
-    schedule = common.epoch_schedule(train.lengths, args.buckets, args.tokens_per_batch, world_size, 1, args.seed, 0)
+    schedule = data.epoch_schedule(train.lengths, args.buckets, args.tokens_per_batch, world_size, 1, args.seed, 0)
     if len(schedule) < cli.steps:  # ours would go on into epoch 1: the step times would no longer pair up
         sys.exit(f"--steps {cli.steps} is more than the {len(schedule)} steps of one epoch")
     tokens, padded_tokens, step_ends = 0, 0, []
@@ -84,19 +91,21 @@ if cli.mode == "bare":
         if step == cli.skip + 1:
             dist.barrier()
             step_ends.append(time.perf_counter())
-        batch_size = common.bucket_batch_size(args.tokens_per_batch, bucket_len)
-        input_ids, targets = common.collate(train, step_samples[rank::world_size], bucket_len, batch_size)
+        batch_size = data.bucket_batch_size(args.tokens_per_batch, bucket_len)
+        input_ids, targets = data.collate(train, step_samples[rank::world_size], bucket_len, batch_size)
         target_tokens = int(train.target_counts[step_samples].sum())
         (model(input_ids=input_ids.to(device), targets=targets.to(device)) * world_size / target_tokens).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if step > cli.skip:
-            tokens, padded_tokens = tokens + int(train.lengths[step_samples[rank::world_size]].sum()), padded_tokens + batch_size * bucket_len
+            tokens, padded_tokens = (tokens + int(train.lengths[step_samples[rank::world_size]].sum()),
+                                     padded_tokens + batch_size * bucket_len)
             if device.type == "cuda":
                 torch.cuda.synchronize()  # the step's kernels are done (ours waits for the loss every step too)
             step_ends.append(time.perf_counter())
     dist.barrier()
-    report(tokens, padded_tokens, step_ends[-1] - step_ends[0], step_seconds=[b - a for a, b in zip(step_ends, step_ends[1:])])  # per step, as ours
+    report(tokens, padded_tokens, step_ends[-1] - step_ends[0],
+           step_seconds=[b - a for a, b in zip(step_ends, step_ends[1:])])  # per step, as ours
 
 else:
     import datasets
@@ -116,32 +125,38 @@ else:
                 self.window_padded = self.padded - self.start_padded
 
     clock = StepClock()
-    common_args = dict(output_dir=cli.out_dir, max_steps=cli.steps, learning_rate=args.lr, warmup_steps=args.warmup_steps,
-                       lr_scheduler_type="cosine", weight_decay=args.weight_decay, adam_beta2=0.95, max_grad_norm=args.grad_clip,
+    common_args = dict(output_dir=cli.out_dir, max_steps=cli.steps, learning_rate=args.lr,
+                       warmup_steps=args.warmup_steps, lr_scheduler_type="cosine", weight_decay=args.weight_decay,
+                       adam_beta2=0.95, max_grad_norm=args.grad_clip,
                        activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": False},
-                       use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available(), ddp_backend=None if torch.cuda.is_available() else "gloo",
-                       logging_steps=10**6, save_strategy="no", eval_strategy="no", report_to=[], dataloader_num_workers=0,
-                       seed=args.seed, disable_tqdm=True)
+                       use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available(),
+                       ddp_backend=None if torch.cuda.is_available() else "gloo",
+                       logging_steps=10**6, save_strategy="no", eval_strategy="no", report_to=[],
+                       dataloader_num_workers=0, seed=args.seed, disable_tqdm=True)
 
     if cli.mode == "trainer":
         # transformers' run_clm.py pipeline: tokenize, concatenate everything, cut into blocks of one length.
-        from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerFast, Trainer, TrainingArguments
+        from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
         block = args.buckets[-1]
-        corpus = common.open_prepared(common.prepared_folder(args, common.get_tokenizer(), "pretrain"), common.get_tokenizer(), "pretrain")
+        corpus = data.open_prepared(data.prepared_folder(args, common.get_tokenizer(), "pretrain"),
+                                    common.get_tokenizer(), "pretrain")
         ids = corpus.tokens.tolist()  # every document followed by <|endoftext|>, as run_clm concatenates them
-        blocks = datasets.Dataset.from_dict({"input_ids": [ids[i:i + block] for i in range(0, len(ids) - block + 1, block)]})
+        blocks = datasets.Dataset.from_dict({"input_ids": [ids[i:i + block]
+                                                           for i in range(0, len(ids) - block + 1, block)]})
 
         def collate(examples):  # the language-modeling collator: labels are the inputs (the model shifts them)
             block_tokens = sum(len(example["input_ids"]) for example in examples)
-            clock.tokens, clock.padded = clock.tokens + block_tokens, clock.padded + block_tokens  # blocks of one length: no padding
+            # Blocks of one length: no padding.
+            clock.tokens, clock.padded = clock.tokens + block_tokens, clock.padded + block_tokens
             return {"input_ids": torch.tensor([example["input_ids"] for example in examples]),
                     "labels": torch.tensor([example["input_ids"] for example in examples])}
 
+        batch_size = data.bucket_batch_size(args.tokens_per_batch, block)
         trainer = Trainer(model=hf_model(), train_dataset=blocks, data_collator=collate, callbacks=[clock],
-                          args=TrainingArguments(per_device_train_batch_size=common.bucket_batch_size(args.tokens_per_batch, block), **common_args))
+                          args=TrainingArguments(per_device_train_batch_size=batch_size, **common_args))
         trainer.train()
-        report(clock.window_tokens, clock.window_padded, clock.seconds, batch_size=common.bucket_batch_size(args.tokens_per_batch, block), block=block)
+        report(clock.window_tokens, clock.window_padded, clock.seconds, batch_size=batch_size, block=block)
 
     else:
         # TRL's SFTTrainer on our very conversations (token ids and assistant-only labels), one fixed batch size:
@@ -149,11 +164,12 @@ else:
         from trl import SFTConfig, SFTTrainer
         from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-        train, _ = common.load_sft_data(args, common.get_chat_tokenizer())
-        samples = [common.sample_tokens(train, i) for i in range(len(train.lengths))]
+        train, _ = data.load_sft_data(args, common.get_chat_tokenizer())
+        samples = [data.sample_tokens(train, i) for i in range(len(train.lengths))]
         masks = [train.mask[start:start + length] for start, length in zip(train.starts, train.lengths)]
-        rows = {"input_ids": [t.tolist() for t in samples], "labels": [[t if m else common.IGNORE_INDEX for t, m in zip(ts.tolist(), ms)]
-                                                                         for ts, ms in zip(samples, masks)]}
+        rows = {"input_ids": [t.tolist() for t in samples],
+                "labels": [[t if m else common.IGNORE_INDEX for t, m in zip(ts.tolist(), ms)]
+                           for ts, ms in zip(samples, masks)]}
         batch_size = max(1, args.tokens_per_batch // max(train.lengths))
         pad = DataCollatorForLanguageModeling(pad_token_id=common.EOT_ID)
 
@@ -164,11 +180,13 @@ else:
 
         from export_hf import hf_tokenizer
 
-        trainer = SFTTrainer(model=hf_model(), train_dataset=datasets.Dataset.from_dict(rows), data_collator=collate, callbacks=[clock],
-                             processing_class=hf_tokenizer(),
-                             args=SFTConfig(per_device_train_batch_size=batch_size, max_length=args.buckets[-1], **common_args))
+        trainer = SFTTrainer(model=hf_model(), train_dataset=datasets.Dataset.from_dict(rows), data_collator=collate,
+                             callbacks=[clock], processing_class=hf_tokenizer(),
+                             args=SFTConfig(per_device_train_batch_size=batch_size, max_length=args.buckets[-1],
+                                            **common_args))
         trainer.train()
-        report(clock.window_tokens, clock.window_padded, clock.seconds, batch_size=batch_size, longest=max(train.lengths))
+        report(clock.window_tokens, clock.window_padded, clock.seconds, batch_size=batch_size,
+               longest=max(train.lengths))
 
 # Leave as our scripts do (Trainer and TRL set the group up and leave it): without a barrier before the teardown,
 # gloo aborts about 2 exits in 5 ("terminate called without an active exception").

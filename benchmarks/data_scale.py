@@ -25,6 +25,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 import common  # noqa: E402
+import data  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--corpus", required=True, help="a folder of parquet shards (benchmarks/make_corpus.py)")
@@ -48,7 +49,8 @@ def status(pid, field):
 
 
 def proportional(pid):
-    """Proportional set size in bytes: shared pages (the forked workers share the parent's) split among their sharers."""
+    """Proportional set size in bytes: shared pages (the forked workers share the parent's) split among their
+    sharers."""
     try:
         with open(f"/proc/{pid}/smaps_rollup") as lines:
             return next(int(line.split()[1]) * 1024 for line in lines if line.startswith("Pss:"))
@@ -94,40 +96,46 @@ for workers in (1, 2):
                         pss=max(peak["pss"], sum(proportional(p) for p in [pid, *descendants(pid)])))
 
         subprocess.run(["rm", "-rf", str(out)], check=True)
-        seconds, stdout = run_watched([sys.executable, "prepare_data.py", "--data", cli.corpus, "--out-dir", out, "--workers", workers], watch)
+        seconds, stdout = run_watched([sys.executable, "prepare_data.py", "--data", cli.corpus, "--out-dir", out,
+                                       "--workers", workers], watch)
         tokens = json.loads((out / "meta.json").read_text())["tokens"]
-        rows.append((f"prepare, {workers} worker{'s' * (workers > 1)}", f"{tokens / seconds / 1e6:.2f}M tokens/s ({tokens:,} tokens, {seconds:.0f} s)",
-                     f"peak RSS {peak['tree'] / 1e9:.2f} GB all processes (PSS {peak['pss'] / 1e9:.2f} GB), {peak['process'] / 1e9:.2f} GB the largest"))
-    digests[workers] = {name: hashlib.sha256((out / name).read_bytes()).hexdigest()[:16] for name in ("tokens.bin", "doc_offsets.npy")}
+        rows.append((f"prepare, {workers} worker{'s' * (workers > 1)}",
+                     f"{tokens / seconds / 1e6:.2f}M tokens/s ({tokens:,} tokens, {seconds:.0f} s)",
+                     f"peak RSS {peak['tree'] / 1e9:.2f} GB all processes (PSS {peak['pss'] / 1e9:.2f} GB), "
+                     f"{peak['process'] / 1e9:.2f} GB the largest"))
+    digests[workers] = {name: hashlib.sha256((out / name).read_bytes()).hexdigest()[:16]
+                        for name in ("tokens.bin", "doc_offsets.npy")}
 rows.append(("same bytes for 1 and 2 workers", str(digests[1] == digests[2]), json.dumps(digests[2])))
 if cli.only_prepare:
     sys.exit("\n".join(f"{name}: {figure}; {detail}" for name, figure, detail in rows))
 
 # ---------------------------------------------------------------------------------------------- index and schedule
-args = common.finalize_args(common.get_parser("", "runs/x").parse_args(["--model", "qwen2-0.5b", "--data", str(work / "prepared-2")]))
+args = common.finalize_args(common.get_parser("", "runs/x").parse_args(
+    ["--model", "qwen2-0.5b", "--data", str(work / "prepared-2")]))
 start = time.perf_counter()
-train, val = common.load_pretraining_data(args, common.get_tokenizer())
+train, val = data.load_pretraining_data(args, common.get_tokenizer())
 index_seconds = time.perf_counter() - start
 start = time.perf_counter()
-schedule = common.epoch_schedule(train.lengths, args.buckets, args.tokens_per_batch, 8, 1, args.seed, 0)
+schedule = data.epoch_schedule(train.lengths, args.buckets, args.tokens_per_batch, 8, 1, args.seed, 0)
 rows.append(("index + schedule, prepared corpus", f"{index_seconds + time.perf_counter() - start:.2f} s",
              f"{len(train.lengths):,} samples, {len(schedule):,} steps of 8 ranks (index {index_seconds:.2f} s)"))
 
 rng = np.random.default_rng(0)
 lengths = np.clip(rng.lognormal(np.log(500), 1.1, size=11_000_000), 8, 200_000).astype(np.int64)
-corpus = common.Corpus(None, np.concatenate([[0], np.cumsum(lengths)]), None, "")
+corpus = data.Corpus(None, np.concatenate([[0], np.cumsum(lengths)]), None, "")
 start = time.perf_counter()
 is_val = np.zeros(len(lengths), dtype=bool)
-is_val[common.validation_documents(len(lengths), args.val_fraction)] = True
-starts, sample_lengths = common.document_samples(corpus, np.flatnonzero(~is_val), 2048)
-schedule = common.epoch_schedule(sample_lengths, args.buckets, args.tokens_per_batch, 8, 1, args.seed, 0)
-rows.append(("index + schedule, 11M synthetic documents", f"{time.perf_counter() - start:.2f} s", f"{len(sample_lengths):,} samples, {len(schedule):,} steps"))
+is_val[data.validation_documents(len(lengths), args.val_fraction)] = True
+starts, sample_lengths = data.document_samples(corpus, np.flatnonzero(~is_val), 2048)
+schedule = data.epoch_schedule(sample_lengths, args.buckets, args.tokens_per_batch, 8, 1, args.seed, 0)
+rows.append(("index + schedule, 11M synthetic documents", f"{time.perf_counter() - start:.2f} s",
+             f"{len(sample_lengths):,} samples, {len(schedule):,} steps"))
 
-# ---------------------------------------------------------------------------------------------- memory when training starts
-train_flags = ["--model", "small", "--buckets", "256,512,1024,2048", "--tokens-per-batch", 2048, "--max-steps", 3, "--eval-every", 1000,
-               "--save-every", 1000, "--val-fraction", 1e-6, "--cache-dir", work / "cache"]
+# ------------------------------------------------------------------------------------------ memory when training starts
+train_flags = ["--model", "small", "--buckets", "256,512,1024,2048", "--tokens-per-batch", 2048, "--max-steps", 3,
+               "--eval-every", 1000, "--save-every", 1000, "--val-fraction", 1e-6, "--cache-dir", work / "cache"]
 anonymous = {}
-for name, data in [("builtin", "builtin"), ("1B corpus", work / "prepared-2")]:
+for name, source in [("builtin", "builtin"), ("1B corpus", work / "prepared-2")]:
     peak = {}
 
     def watch(pid):
@@ -135,22 +143,27 @@ for name, data in [("builtin", "builtin"), ("1B corpus", work / "prepared-2")]:
             peak[child] = max(peak.get(child, 0), status(child, "RssAnon"))
 
     subprocess.run(["rm", "-rf", str(work / f"run-{name}")], check=True)
-    run_watched([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "fsdp2_pretrain.py", "--data", data,
-                 *train_flags, "--out-dir", work / f"run-{name}"], watch)
+    run_watched([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                 "fsdp2_pretrain.py", "--data", source, *train_flags, "--out-dir", work / f"run-{name}"], watch)
     anonymous[name] = sorted(peak.values())[-2:]  # the two ranks: the largest processes under the agent
-rows.append(("RssAnon per rank, builtin", " / ".join(f"{b / 1e6:.0f} MB" for b in anonymous["builtin"]), "fsdp2_pretrain.py, 2 ranks, small, 3 steps"))
+rows.append(("RssAnon per rank, builtin", " / ".join(f"{b / 1e6:.0f} MB" for b in anonymous["builtin"]),
+             "fsdp2_pretrain.py, 2 ranks, small, 3 steps"))
 rows.append(("RssAnon per rank, 1B corpus", " / ".join(f"{b / 1e6:.0f} MB" for b in anonymous["1B corpus"]),
              f"+{(max(anonymous['1B corpus']) - max(anonymous['builtin'])) / 1e6:.0f} MB over builtin"))
 
-# ---------------------------------------------------------------------------------------------- resume time against the step
-tiny = ["--model", "tiny", "--data", "builtin", "--cache-dir", work / "cache", "--val-fraction", 0.002, "--eval-every", 10_000]
+# ----------------------------------------------------------------------------------------- resume time against the step
+tiny = ["--model", "tiny", "--data", "builtin", "--cache-dir", work / "cache", "--val-fraction", 0.002,
+        "--eval-every", 10_000]
 resume_dir = work / "resume"
 subprocess.run(["rm", "-rf", str(resume_dir)], check=True)
-run_watched([sys.executable, "ddp_pretrain.py", *tiny, "--max-steps", 300, "--save-every", 10, "--keep-last", 100, "--out-dir", resume_dir], lambda pid: None)
+run_watched([sys.executable, "ddp_pretrain.py", *tiny, "--max-steps", 300, "--save-every", 10, "--keep-last", 100,
+             "--out-dir", resume_dir], lambda pid: None)
 for step in (10, 300):
-    seconds, _ = run_watched([sys.executable, "ddp_pretrain.py", *tiny, "--max-steps", step + 1, "--out-dir", work / f"resumed-{step}",
+    seconds, _ = run_watched([sys.executable, "ddp_pretrain.py", *tiny, "--max-steps", step + 1,
+                              "--out-dir", work / f"resumed-{step}",
                               "--resume", resume_dir / "checkpoints" / f"step_{step}"], lambda pid: None)
-    rows.append((f"resume from step {step}, train 1 step", f"{seconds:.1f} s", "ddp_pretrain.py, 1 process, tiny, builtin (wall time)"))
+    rows.append((f"resume from step {step}, train 1 step", f"{seconds:.1f} s",
+                 "ddp_pretrain.py, 1 process, tiny, builtin (wall time)"))
 
 width = max(len(name) for name, _, _ in rows)
 print(f"\n{'what':<{width}}  {'figure':<44}  detail")

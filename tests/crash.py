@@ -45,9 +45,9 @@ if is_victim and kind == "step":
 
 if is_victim and kind == "rollout":
     sys.path.insert(0, str(REPO))
-    import common
+    import modeling
 
-    real_generate_replies, rollouts = common.generate_replies, 0
+    real_generate_replies, rollouts = modeling.generate_replies, 0
 
     def generate_replies(model, prompts, max_new_tokens, temperature=0.0, *args, **kwargs):
         global rollouts
@@ -56,13 +56,14 @@ if is_victim and kind == "rollout":
             die()
         return real_generate_replies(model, prompts, max_new_tokens, temperature, *args, **kwargs)
 
-    common.generate_replies = generate_replies
+    modeling.generate_replies = generate_replies
 
 if is_victim and kind == "save":
     real_torch_save, real_dcp_save = torch.save, dcp.save
 
     def torch_save(obj, path, *args, **kwargs):
-        is_target = isinstance(path, (str, os.PathLike)) and Path(path).parent.name == target_folder  # DCP saves to streams
+        # DCP saves to streams
+        is_target = isinstance(path, (str, os.PathLike)) and Path(path).parent.name == target_folder
         if is_target and Path(path).name == "checkpoint.pt":
             buffer = io.BytesIO()
             real_torch_save(obj, buffer, *args, **kwargs)

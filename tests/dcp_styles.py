@@ -15,8 +15,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, fully_shard
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
@@ -25,19 +31,21 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
+import modeling  # noqa: E402
 
 checkpoint_root, result_file = Path(sys.argv[1]), Path(sys.argv[2])
 rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 common.init_process_group(torch.device("cpu"))
-TOKENS = torch.randint(0, common.EOT_ID, (6, 4, 64), generator=torch.Generator().manual_seed(0))  # 6 steps x 4 rows x 64
+# 6 steps x 4 rows x 64
+TOKENS = torch.randint(0, common.EOT_ID, (6, 4, 64), generator=torch.Generator().manual_seed(0))
 
 
 def build(strategy, seed):
     torch.manual_seed(seed)
-    model = common.build_model("tiny")
+    model = modeling.build_model("tiny")
     if strategy == "fsdp1":
-        model = FSDP(model, auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Qwen2DecoderLayer}),
-                     device_id=torch.device("cpu"), use_orig_params=True)
+        wrap_policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Qwen2DecoderLayer})
+        model = FSDP(model, auto_wrap_policy=wrap_policy, device_id=torch.device("cpu"), use_orig_params=True)
     else:
         for layer in model.model.layers:
             fully_shard(layer)
@@ -49,7 +57,8 @@ def train(model, optimizer, steps):
     losses = []
     for step in steps:
         rows = TOKENS[step, rank::world_size]  # each rank its own rows of the step
-        loss = model(input_ids=rows, targets=torch.cat([rows[:, 1:], torch.full((len(rows), 1), common.IGNORE_INDEX)], 1))
+        targets = torch.cat([rows[:, 1:], torch.full((len(rows), 1), common.IGNORE_INDEX)], 1)
+        loss = model(input_ids=rows, targets=targets)
         (loss * world_size / (TOKENS.shape[1] * (TOKENS.shape[2] - 1))).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -61,11 +70,14 @@ def train(model, optimizer, steps):
 
 def local_state(model, optimizer):
     """This rank's own shards, by name: every weight and, where the optimizer holds them, its AdamW moments."""
-    local = lambda t: (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
+    def local(t):
+        return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
+
     tensors = {}
     for name, parameter in model.named_parameters():
         tensors[name] = local(parameter)
-        tensors.update({f"{name}.{key}": local(value) for key, value in optimizer.state[parameter].items() if key in ("exp_avg", "exp_avg_sq")})
+        tensors.update({f"{name}.{key}": local(value) for key, value in optimizer.state[parameter].items()
+                        if key in ("exp_avg", "exp_avg_sq")})
     return tensors
 
 
@@ -115,10 +127,13 @@ for strategy in ("fsdp1", "fsdp2"):
         load(style, fresh_model, fresh_optimizer, folder)
         loaded = local_state(fresh_model, fresh_optimizer)
         resumed_losses = train(fresh_model, fresh_optimizer, range(3, 6))
-        differences = [(saved[name] - loaded[name]).abs().max().item() for name in saved if name in loaded and saved[name].numel()]
+        differences = [(saved[name] - loaded[name]).abs().max().item()
+                       for name in saved if name in loaded and saved[name].numel()]
         per_rank = [None] * world_size
-        dist.all_gather_object(per_rank, {"saved": sorted(saved), "loaded": sorted(loaded), "max_difference": max(differences)})
-        results[f"{strategy}+{style}"] = {"ranks": per_rank, "reference_losses": reference_losses, "resumed_losses": resumed_losses}
+        dist.all_gather_object(per_rank, {"saved": sorted(saved), "loaded": sorted(loaded),
+                                          "max_difference": max(differences)})
+        results[f"{strategy}+{style}"] = {"ranks": per_rank, "reference_losses": reference_losses,
+                                          "resumed_losses": resumed_losses}
 if rank == 0:
     result_file.write_text(json.dumps(results, indent=1))
 dist.barrier()

@@ -17,15 +17,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 import common  # noqa: E402
+import modeling  # noqa: E402
 
 mode, rank = os.environ["ROLLOUTS"], int(os.environ.get("RANK", 0))
 tokenizer = common.get_chat_tokenizer()
-real_generate_replies = common.generate_replies
+real_generate_replies = modeling.generate_replies
 
 
 def reply_saying(answer):
     text = f"<|begin_of_solution|>\n\nThe answer is {answer}.\n\n<|end_of_solution|>"
-    return tokenizer.encode(text, allowed_special=set(common.REASONING_MARKERS)) + [common.SPECIAL_TOKENS[common.END_OF_TURN]]
+    return (tokenizer.encode(text, allowed_special=set(common.REASONING_MARKERS))
+            + [common.SPECIAL_TOKENS[common.END_OF_TURN]])
 
 
 def generate_replies(model, prompts, max_new_tokens, temperature=0.0, top_k=None, synced=False):
@@ -39,7 +41,7 @@ def generate_replies(model, prompts, max_new_tokens, temperature=0.0, top_k=None
     return [reply_saying(7 if mode == "constant" else place % 10) for place in places]
 
 
-common.generate_replies = generate_replies
+modeling.generate_replies = generate_replies
 if os.environ.get("ADVANTAGES") == "ones":
     common.group_advantages = lambda rewards, group_size: rewards * 0 + 1
 script = str(REPO / sys.argv[1])

@@ -32,17 +32,22 @@ def write_tiny_corpus():
         TINY_CORPUS.write_text(text)
 
 
-def run_script(script, *flags, nproc=1, torchrun=True, timeout=600, env=None):
-    """Run SCRIPT with FLAGS on NPROC CPU ranks (gloo); returns the CompletedProcess (text output)."""
-    launcher = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if torchrun else [PYTHON]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1", **(env or {})}
+def run_script(script, *flags, nproc=1, torchrun=None, timeout=600, env=None):
+    """Run SCRIPT with FLAGS on NPROC CPU ranks (gloo); returns the CompletedProcess (text output). One rank runs as
+    plain `python SCRIPT.py` unless torchrun=True (the scripts make it a process group of one): no agent to start."""
+    torchrun = nproc > 1 if torchrun is None else torchrun
+    launcher = ([PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if torchrun
+                else [PYTHON])
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1",
+                **(env or {})}
     return subprocess.run([*launcher, str(REPO / script), *map(str, flags)], cwd=REPO, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
 
 
 def check(result):
     """The run succeeded; show its output if it did not."""
-    assert result.returncode == 0, f"exit {result.returncode}\n--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-6000:]}"
+    assert result.returncode == 0, (f"exit {result.returncode}\n--- stdout\n{result.stdout[-4000:]}"
+                                    f"\n--- stderr\n{result.stderr[-6000:]}")
     return result
 
 
@@ -65,10 +70,55 @@ def tree_hashes(folder):
     """sha256 of every file under FOLDER: equal before and after means nothing was touched."""
     import hashlib
 
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(Path(folder).rglob("*")) if p.is_file()}
 
 
 def traceback_through_our_code(output):
     """Whether OUTPUT holds a traceback frame in one of the project's scripts (torchrun's own report does not,
     nor do frames of a virtual environment that lives inside the repository)."""
     return re.search(rf'File "{re.escape(str(REPO))}/\w+\.py"', output) is not None
+
+
+def model_tensors(checkpoint_dir, tmp_path):
+    """The model's whole tensors of an FSDP2 checkpoint folder (its model/), read as one process reads DCP."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    target = tmp_path / f"{checkpoint_dir.parent.parent.name}-{checkpoint_dir.name}.pt"
+    dcp_to_torch_save(checkpoint_dir / "model", target)
+    return torch.load(target, weights_only=True)
+
+
+def checkpoint_tensors(checkpoint_dir, tmp_path):
+    """Every tensor of a DCP checkpoint folder (FSDP1: one app state; FSDP2: model/ and optimizer/), flattened."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    flat = {}
+
+    def walk(prefix, value):
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                walk(f"{prefix}.{key}", inner)
+        elif torch.is_tensor(value):
+            flat[prefix] = value
+
+    parts = [p for p in ("model", "optimizer") if (checkpoint_dir / p).is_dir()] or [""]
+    for part in parts:
+        target = tmp_path / f"{checkpoint_dir.parent.parent.name}-{part or 'app'}.pt"
+        dcp_to_torch_save(checkpoint_dir / part, target)
+        walk(part, torch.load(target, weights_only=True))
+    return flat
+
+
+def assert_same_weights_and_moments(checkpoint_dir, expected_dir, tmp_path):
+    """Weights AND AdamW moments of two checkpoints are the same (a resume that lost the moments would differ)."""
+    import torch
+
+    expected, actual = checkpoint_tensors(expected_dir, tmp_path), checkpoint_tensors(checkpoint_dir, tmp_path)
+    moments = [name for name in expected if name.endswith(("exp_avg", "exp_avg_sq"))]
+    assert len(moments) == 2 * 26  # two moments for each of tiny's 26 parameters (the tied head shares one)
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-7, msg=name)

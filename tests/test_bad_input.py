@@ -3,52 +3,96 @@ non-zero exit, no traceback from our code, and every existing checkpoint byte-fo
 README's "What is guarded" lists the same table."""
 import json
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 import common
+import data
+import prepare_data
 from helpers import SFT_DATA, TINY_RUN, copy_checkpoint, run_script, traceback_through_our_code, tree_hashes
 
 SFT_INIT = ["--init-from", "{tmp}/fsdp2"]  # a valid pretrained checkpoint, so the SFT gets as far as its data
 BAD_INPUTS = {  # case: (script, flags, ranks, words the error line must hold: the flag first)
-    "data path that does not exist": ("ddp_pretrain.py", ["--data", "{tmp}/nope/train.txt"], 1, ["--data", "does not exist"]),
+    "data path that does not exist":
+        ("ddp_pretrain.py", ["--data", "{tmp}/nope/train.txt"], 1, ["--data", "does not exist"]),
     "folder with no data files": ("ddp_pretrain.py", ["--data", "{tmp}/empty_folder"], 1, ["--data", "holds no"]),
-    "text file that is not UTF-8": ("ddp_pretrain.py", ["--data", "{tmp}/latin1.txt"], 1, ["--data", "could not be read"]),
+    "text file that is not UTF-8":
+        ("ddp_pretrain.py", ["--data", "{tmp}/latin1.txt"], 1, ["--data", "could not be read"]),
     "data folder mixing file kinds": ("ddp_pretrain.py", ["--data", "{tmp}/mixed"], 1, ["--data", "mixes file types"]),
-    "jsonl with a broken line": ("ddp_pretrain.py", ["--data", "{tmp}/broken.jsonl"], 1, ["--data", "could not be read"]),
+    "jsonl with a broken line":
+        ("ddp_pretrain.py", ["--data", "{tmp}/broken.jsonl"], 1, ["--data", "could not be read"]),
     "only blank documents": ("ddp_pretrain.py", ["--data", "{tmp}/blank.txt"], 1, ["--data", "holds no documents"]),
     "empty data file": ("ddp_pretrain.py", ["--data", "{tmp}/empty.jsonl"], 1, ["--data", "is an empty file"]),
-    "SFT file that is not what its suffix says": ("fsdp2_sft.py", ["--model", "tiny", *SFT_INIT, "--data", "{tmp}/text.parquet"], 1, ["--data", "could not be read"]),
+    "SFT file that is not what its suffix says":
+        ("fsdp2_sft.py", ["--model", "tiny", *SFT_INIT, "--data", "{tmp}/text.parquet"], 1,
+         ["--data", "could not be read"]),
     "no such text column": ("ddp_pretrain.py", ["--data", "{tmp}/content.jsonl"], 1, ["--text-field", "content"]),
-    "more ranks than samples": ("ddp_pretrain.py", ["--model", "tiny", "--data", "{tmp}/two_docs.jsonl"], 2, ["--data", "fewer than the 2 ranks"]),
-    "SFT rows in neither schema": ("fsdp2_sft.py", ["--model", "tiny", *SFT_INIT, "--data", "{tmp}/prompt_response.jsonl"], 1, ["--data", "neither"]),
-    "SFT turn with an unknown role": ("fsdp2_sft.py", ["--model", "tiny", *SFT_INIT, "--data", "{tmp}/tool_role.jsonl"], 1, ["--data", "'tool'"]),
-    "SFT conversation with no assistant turn": ("fsdp2_sft.py", ["--model", "tiny", *SFT_INIT, "--data", "{tmp}/no_assistant.jsonl"], 1, ["--data", "no assistant turn"]),
+    "more ranks than samples":
+        ("ddp_pretrain.py", ["--model", "tiny", "--data", "{tmp}/two_docs.jsonl"], 2,
+         ["--data", "fewer than the 2 ranks"]),
+    "SFT rows in neither schema":
+        ("fsdp2_sft.py", ["--model", "tiny", *SFT_INIT, "--data", "{tmp}/prompt_response.jsonl"], 1,
+         ["--data", "neither"]),
+    "SFT turn with an unknown role":
+        ("fsdp2_sft.py", ["--model", "tiny", *SFT_INIT, "--data", "{tmp}/tool_role.jsonl"], 1, ["--data", "'tool'"]),
+    "SFT conversation with no assistant turn":
+        ("fsdp2_sft.py", ["--model", "tiny", *SFT_INIT, "--data", "{tmp}/no_assistant.jsonl"], 1,
+         ["--data", "no assistant turn"]),
     "unknown model preset": ("ddp_pretrain.py", ["--model", "huge"], 1, ["--model", "huge"]),
     "step count that is not a number": ("ddp_pretrain.py", ["--max-steps", "ten"], 1, ["--max-steps", "invalid int"]),
-    "buckets that are not numbers": ("ddp_pretrain.py", ["--model", "tiny", "--buckets", "short,long"], 1, ["--buckets"]),
-    "batch smaller than the largest bucket": ("ddp_pretrain.py", ["--model", "tiny", "--tokens-per-batch", 64], 1, ["--tokens-per-batch"]),
-    "accumulation below 1": ("ddp_pretrain.py", ["--model", "tiny", "--grad-accum", 0], 1, ["--grad-accum", "at least 1"]),
-    "out-dir that is a file": ("ddp_pretrain.py", ["--model", "tiny", "--out-dir", "{tmp}/blank.txt"], 1, ["--out-dir", "is a file"]),
-    "fresh run over existing checkpoints": ("ddp_pretrain.py", ["--model", "tiny", "--out-dir", "{tmp}/ddp"], 1, ["--resume", "already holds"]),
-    "resume with no checkpoint": ("ddp_pretrain.py", ["--model", "tiny", "--resume"], 1, ["--resume", "no complete checkpoint"]),
-    "resume from a folder that is no checkpoint": ("ddp_pretrain.py", ["--model", "tiny", "--resume", "{tmp}/empty_folder"], 1, ["--resume", "not a complete checkpoint"]),
-    "resume an older checkpoint beside newer ones": ("ddp_pretrain.py", ["--model", "tiny", "--out-dir", "{tmp}/ddp", "--resume", "{tmp}/ddp/checkpoints/step_10"], 1, ["--resume", "newer checkpoints"]),
-    "resume with another model shape": ("ddp_pretrain.py", ["--model", "small", "--out-dir", "{tmp}/ddp", "--resume"], 1, ["--model", "'tiny'"]),
-    "resume another strategy's checkpoint": ("fsdp2_pretrain.py", ["--model", "tiny", "--resume", "{tmp}/ddp/checkpoints/step_20"], 1, ["--resume", "ddp_pretrain.py"]),
-    "resume a run that reached --max-steps": ("ddp_pretrain.py", ["--model", "tiny", "--out-dir", "{tmp}/ddp", "--resume"], 1, ["--max-steps 20", "step 20 already"]),
-    "resume on other data": ("ddp_pretrain.py", [*TINY_RUN[:2], "--data", "{tmp}/two_docs.jsonl", "--out-dir", "{tmp}/ddp10", "--resume"], 1, ["--data differs", "data order"]),
-    "resume with another seed": ("ddp_pretrain.py", [*TINY_RUN, "--seed", 7, "--out-dir", "{tmp}/ddp10", "--resume"], 1, ["--seed differs", "data order"]),
-    "resume with another global batch": ("ddp_pretrain.py", [*TINY_RUN, "--tokens-per-batch", 1024, "--out-dir", "{tmp}/ddp10", "--resume"], 1, ["--tokens-per-batch 1024", "as it was"]),
-    "resume from a truncated checkpoint file": ("ddp_pretrain.py", ["--model", "tiny", "--resume", "{tmp}/truncated/checkpoints/step_20"], 1, ["--resume", "damaged"]),
-    "init-from a DDP checkpoint": ("fsdp2_sft.py", ["--model", "tiny", "--init-from", "{tmp}/ddp"], 1, ["--init-from", "ddp_pretrain.py"]),
-    "init-from a folder with no checkpoint": ("fsdp2_sft.py", ["--model", "tiny", "--init-from", "{tmp}/empty_folder"], 1, ["--init-from", "fsdp2_pretrain.py"]),
+    "buckets that are not numbers":
+        ("ddp_pretrain.py", ["--model", "tiny", "--buckets", "short,long"], 1, ["--buckets"]),
+    "batch smaller than the largest bucket":
+        ("ddp_pretrain.py", ["--model", "tiny", "--tokens-per-batch", 64], 1, ["--tokens-per-batch"]),
+    "accumulation below 1":
+        ("ddp_pretrain.py", ["--model", "tiny", "--grad-accum", 0], 1, ["--grad-accum", "at least 1"]),
+    "out-dir that is a file":
+        ("ddp_pretrain.py", ["--model", "tiny", "--out-dir", "{tmp}/blank.txt"], 1, ["--out-dir", "is a file"]),
+    "fresh run over existing checkpoints":
+        ("ddp_pretrain.py", ["--model", "tiny", "--out-dir", "{tmp}/ddp"], 1, ["--resume", "already holds"]),
+    "resume with no checkpoint":
+        ("ddp_pretrain.py", ["--model", "tiny", "--resume"], 1, ["--resume", "no complete checkpoint"]),
+    "resume from a folder that is no checkpoint":
+        ("ddp_pretrain.py", ["--model", "tiny", "--resume", "{tmp}/empty_folder"], 1,
+         ["--resume", "not a complete checkpoint"]),
+    "resume an older checkpoint beside newer ones":
+        ("ddp_pretrain.py", ["--model", "tiny", "--out-dir", "{tmp}/ddp", "--resume", "{tmp}/ddp/checkpoints/step_10"],
+         1, ["--resume", "newer checkpoints"]),
+    "resume with another model shape":
+        ("ddp_pretrain.py", ["--model", "small", "--out-dir", "{tmp}/ddp", "--resume"], 1, ["--model", "'tiny'"]),
+    "resume another strategy's checkpoint":
+        ("fsdp2_pretrain.py", ["--model", "tiny", "--resume", "{tmp}/ddp/checkpoints/step_20"], 1,
+         ["--resume", "ddp_pretrain.py"]),
+    "resume a run that reached --max-steps":
+        ("ddp_pretrain.py", ["--model", "tiny", "--out-dir", "{tmp}/ddp", "--resume"], 1,
+         ["--max-steps 20", "step 20 already"]),
+    "resume on other data":
+        ("ddp_pretrain.py", [*TINY_RUN[:2], "--data", "{tmp}/two_docs.jsonl", "--out-dir", "{tmp}/ddp10", "--resume"],
+         1, ["--data differs", "data order"]),
+    "resume with another seed":
+        ("ddp_pretrain.py", [*TINY_RUN, "--seed", 7, "--out-dir", "{tmp}/ddp10", "--resume"], 1,
+         ["--seed differs", "data order"]),
+    "resume with another global batch":
+        ("ddp_pretrain.py", [*TINY_RUN, "--tokens-per-batch", 1024, "--out-dir", "{tmp}/ddp10", "--resume"], 1,
+         ["--tokens-per-batch 1024", "as it was"]),
+    "resume from a truncated checkpoint file":
+        ("ddp_pretrain.py", ["--model", "tiny", "--resume", "{tmp}/truncated/checkpoints/step_20"], 1,
+         ["--resume", "damaged"]),
+    "init-from a DDP checkpoint":
+        ("fsdp2_sft.py", ["--model", "tiny", "--init-from", "{tmp}/ddp"], 1, ["--init-from", "ddp_pretrain.py"]),
+    "init-from a folder with no checkpoint":
+        ("fsdp2_sft.py", ["--model", "tiny", "--init-from", "{tmp}/empty_folder"], 1,
+         ["--init-from", "fsdp2_pretrain.py", "first"]),
     "init-from another model shape": ("fsdp2_sft.py", ["--model", "small", *SFT_INIT], 1, ["--model", "'tiny'"]),
-    "GRPO init-from a pretraining checkpoint": ("fsdp2_grpo.py", ["--model", "tiny", *SFT_INIT], 1, ["--init-from", "fsdp2_pretrain.py", "chat format"]),
-    "GRPO data with no reference answers": ("fsdp2_grpo.py", ["--model", "tiny", "--init-from", "{tmp}/sft", "--data", "{tmp}/no_solution.jsonl"], 1,
-                                            ["--data", "<|begin_of_solution|>"]),
-    "GRPO resume with other prompts per step": ("fsdp2_grpo.py", [*TINY_RUN, *SFT_DATA, "--prompts-per-step", 3, "--out-dir", "{tmp}/grpo10", "--resume"], 1,
-                                                ["--prompts-per-step 3", "as it was"]),
+    "GRPO init-from a pretraining checkpoint":
+        ("fsdp2_grpo.py", ["--model", "tiny", *SFT_INIT], 1, ["--init-from", "fsdp2_pretrain.py", "chat format"]),
+    "GRPO data with no reference answers":
+        ("fsdp2_grpo.py", ["--model", "tiny", "--init-from", "{tmp}/sft", "--data", "{tmp}/no_solution.jsonl"], 1,
+         ["--data", "<|begin_of_solution|>"]),
+    "GRPO resume with other prompts per step":
+        ("fsdp2_grpo.py", [*TINY_RUN, *SFT_DATA, "--prompts-per-step", 3, "--out-dir", "{tmp}/grpo10", "--resume"],
+         1, ["--prompts-per-step 3", "as it was"]),
 }
 
 
@@ -64,7 +108,8 @@ def bad_input_files(tmp_path_factory, tiny_run):
     (tmp / "content.jsonl").write_text(json.dumps({"content": "some text"}) + "\n")
     (tmp / "two_docs.jsonl").write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(2)))
     (tmp / "prompt_response.jsonl").write_text(json.dumps({"prompt": "2 + 2?", "response": "4"}) + "\n")
-    turns = [{"role": "user", "content": "2 + 2?"}, {"role": "tool", "content": "4"}, {"role": "assistant", "content": "4"}]
+    turns = [{"role": "user", "content": "2 + 2?"}, {"role": "tool", "content": "4"},
+             {"role": "assistant", "content": "4"}]
     (tmp / "tool_role.jsonl").write_text(json.dumps({"messages": turns}) + "\n")
     (tmp / "no_assistant.jsonl").write_text(json.dumps({"messages": turns[:1]}) + "\n")
     (tmp / "mixed").mkdir()
@@ -75,35 +120,53 @@ def bad_input_files(tmp_path_factory, tiny_run):
     shutil.copytree(tiny_run("fsdp2_pretrain.py")[0] / "checkpoints", tmp / "fsdp2" / "checkpoints")
     shutil.copytree(tiny_run("fsdp2_sft.py")[0] / "checkpoints", tmp / "sft" / "checkpoints")
     copy_checkpoint(tiny_run("fsdp2_grpo.py")[0], 10, tmp / "grpo10")
-    greetings = [[{"from": "user", "value": f"Say hello {i} times."}, {"from": "assistant", "value": "Hello!"}] for i in range(20)]
-    (tmp / "no_solution.jsonl").write_text("".join(json.dumps({"conversations": turns}) + "\n" for turns in greetings))  # no answer to check
+    # Conversations with no answer to check.
+    greetings = [[{"from": "user", "value": f"Say hello {i} times."}, {"from": "assistant", "value": "Hello!"}]
+                 for i in range(20)]
+    (tmp / "no_solution.jsonl").write_text("".join(json.dumps({"conversations": turns}) + "\n" for turns in greetings))
     shutil.copytree(tmp / "ddp", tmp / "truncated")
     weights = tmp / "truncated" / "checkpoints" / "step_20" / "checkpoint.pt"
     weights.write_bytes(weights.read_bytes()[:1000])  # a copy that ran out of disk
     return tmp
 
 
-@pytest.mark.parametrize("case", BAD_INPUTS)
-def test_bad_input_gives_one_clear_line_and_touches_no_checkpoint(case, bad_input_files, tmp_path):
-    script, flags, nproc, words = BAD_INPUTS[case]
-    flags = [str(f).replace("{tmp}", str(bad_input_files)) for f in flags]
-    if "--out-dir" not in flags:
-        flags += ["--out-dir", tmp_path / "run"]
+@pytest.fixture(scope="module")
+def bad_input_runs(bad_input_files, tmp_path_factory):
+    """{case: CompletedProcess} of every case, run two at a time (most are one process, which spends most of its
+    seconds importing torch); and the hashes of every checkpoint file before and after all of them."""
+    def run(case):
+        script, flags, nproc, _ = BAD_INPUTS[case]
+        flags = [str(f).replace("{tmp}", str(bad_input_files)) for f in flags]
+        tmp = tmp_path_factory.mktemp("case")
+        if "--out-dir" not in flags:
+            flags += ["--out-dir", tmp / "run"]
+        return run_script(script, *flags, "--cache-dir", tmp / "cache", nproc=nproc)
+
     before = tree_hashes(bad_input_files)
-    result = run_script(script, *flags, "--cache-dir", tmp_path / "cache", nproc=nproc, torchrun=nproc > 1)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = dict(zip(BAD_INPUTS, pool.map(run, BAD_INPUTS)))
+    return results, before, tree_hashes(bad_input_files)
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_gives_one_clear_line_and_touches_no_checkpoint(case, bad_input_runs):
+    _, _, nproc, words = BAD_INPUTS[case]
+    results, hashes_before, hashes_after = bad_input_runs
+    result = results[case]
     assert result.returncode in (1, 2)  # 2: argparse's own check
     output = result.stdout + result.stderr
     assert not traceback_through_our_code(output)  # torchrun's own failure report may follow
     assert nproc > 1 or "Traceback" not in output
     error_lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(error_lines) == 1 and all(word in error_lines[0] for word in words), result.stderr
-    assert tree_hashes(bad_input_files) == before
+    assert hashes_after == hashes_before  # no case touched a checkpoint file
 
 
 def empty_and_foreign_files(tmp):
-    """{name: path}: an empty file of each suffix, a folder of empty files, files that are not what their suffix says."""
+    """{name: path}: an empty file of each suffix, a folder of empty files, files that are not what their suffix
+    says."""
     tmp.mkdir()
-    paths = {f"empty{suffix}": tmp / f"empty{suffix}" for suffix in common.DATA_SUFFIXES}
+    paths = {f"empty{suffix}": tmp / f"empty{suffix}" for suffix in prepare_data.DATA_SUFFIXES}
     for path in paths.values():
         path.write_bytes(b"")
     paths["folder of empty files"] = tmp / "empties"
@@ -121,13 +184,15 @@ def empty_and_foreign_files(tmp):
 def test_empty_or_foreign_data_files_are_one_error_line_and_write_nothing(stage, tmp_path):
     """In process, for speed: the loader raises one UsageError line naming --data (the table above shows the
     scripts print such a line once, with no traceback); the cache is left empty."""
-    load = common.load_pretraining_data if stage == "train" else common.load_sft_data
+    load = data.load_pretraining_data if stage == "train" else data.load_sft_data
     tokenizer = common.get_tokenizer() if stage == "train" else common.get_chat_tokenizer()
     for name, path in empty_and_foreign_files(tmp_path / "data").items():
         parser = common.get_parser("", str(tmp_path / "run"), stage=stage)
-        args = common.finalize_args(parser.parse_args(["--model", "tiny", "--data", str(path), "--cache-dir", str(tmp_path / "cache")]))
+        args = common.finalize_args(parser.parse_args(["--model", "tiny", "--data", str(path),
+                                                       "--cache-dir", str(tmp_path / "cache")]))
         with pytest.raises(common.UsageError) as error:
             load(args, tokenizer)
         message = str(error.value)
         assert message.startswith(f"--data {path}") and "\n" not in message and len(message) < 400, (name, message)
-    assert not list((tmp_path / "cache").rglob("*")) and not (tmp_path / "run").exists()  # no partial folder left either
+    # no partial folder left either
+    assert not list((tmp_path / "cache").rglob("*")) and not (tmp_path / "run").exists()

@@ -1,11 +1,15 @@
-"""Rules the code itself must keep, checked on its syntax tree: safe loading, and no collective that only rank 0 reaches."""
+"""Rules the code itself must keep, checked on its syntax tree: safe loading, and no collective that only rank 0
+reaches."""
 import ast
+import subprocess
+import sys
 
 import pytest
 
 from helpers import REPO
 
-SOURCES = sorted(p for p in REPO.rglob("*.py") if not any(part.startswith(".") for part in p.relative_to(REPO).parts))  # no venvs
+# no venvs
+SOURCES = sorted(p for p in REPO.rglob("*.py") if not any(part.startswith(".") for part in p.relative_to(REPO).parts))
 TRAINING_SCRIPTS = ["ddp_pretrain.py", "fsdp1_pretrain.py", "fsdp2_pretrain.py", "fsdp2_sft.py", "fsdp2_grpo.py"]
 
 
@@ -32,19 +36,22 @@ def test_torch_load_only_with_weights_only_and_no_remote_code(path):
         if call_name(call) == "torch.load":  # weights_only=True unpickles tensors and plain data, never code
             assert isinstance(keywords.get("weights_only"), ast.Constant) and keywords["weights_only"].value is True, \
                 f"{path.name}:{call.lineno}: torch.load without weights_only=True"
-        assert "trust_remote_code" not in keywords, f"{path.name}:{call.lineno}: trust_remote_code runs a download's code"
+        assert "trust_remote_code" not in keywords, \
+            f"{path.name}:{call.lineno}: trust_remote_code runs a download's code"
 
 
 # Calls that every rank must make together: torch.distributed and DCP, FSDP's full_tensor, the model's forward
 # (FSDP gathers parameters in it), generation, and the scripts' own functions built on these.
 COLLECTIVE = ("dist.", "dcp.", "get_model_state_dict", "get_optimizer_state_dict", "set_model_state_dict",
-              "set_optimizer_state_dict", "get_state_dict", "set_state_dict", "full_tensor", "model", "model.state_dict", "model.generate",
-              "evaluate", "save_checkpoint", "load_checkpoint", "common.generate_replies", "common.stop_if_nonfinite")
+              "set_optimizer_state_dict", "get_state_dict", "set_state_dict", "full_tensor", "model",
+              "model.state_dict", "model.generate", "evaluate", "save_checkpoint", "load_checkpoint",
+              "modeling.generate_replies", "metrics.stop_if_nonfinite")
 
 
 def is_rank_zero_test(test):
     return (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "rank"
-            and isinstance(test.ops[0], ast.Eq) and isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value == 0)
+            and isinstance(test.ops[0], ast.Eq) and isinstance(test.comparators[0], ast.Constant)
+            and test.comparators[0].value == 0)
 
 
 @pytest.mark.parametrize("script", TRAINING_SCRIPTS)
@@ -58,3 +65,67 @@ def test_no_collective_inside_a_rank_zero_branch(script):
             name = call_name(call)
             assert not (name.startswith(COLLECTIVE[:2]) or name in COLLECTIVE or name.endswith(".full_tensor")), \
                 f"{script}:{call.lineno}: {name}() inside `if rank == 0:`"
+
+
+# The shared modules and what each may import; scripts and tools import shared modules only. A module not listed
+# here cannot be imported by anyone but a test or a benchmark.
+SHARED_IMPORTS = {"common": set(), "modeling": {"common"}, "metrics": {"common"}, "prepare_data": {"common"},
+                  "data": {"common", "prepare_data"}, "checkpoints": {"common", "modeling"}}
+TOOLS = ["generate.py", "export_hf.py"]
+TOP_LEVEL = sorted(p for p in REPO.glob("*.py"))
+
+
+def project_imports(path):
+    """The project's modules that PATH imports anywhere in it: at the top, or lazily inside a function."""
+    modules = {p.stem for p in TOP_LEVEL}
+    imported = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            imported.add(node.module.split(".")[0])
+    return imported & modules
+
+
+def test_imports_run_one_way_with_no_cycle():
+    graph = {path.stem: project_imports(path) for path in TOP_LEVEL}
+    assert set(SHARED_IMPORTS) <= set(graph)
+    for module, allowed in SHARED_IMPORTS.items():
+        assert graph[module] <= allowed, f"{module}.py imports {sorted(graph[module] - allowed)}"
+    for script in [*TRAINING_SCRIPTS, *TOOLS]:
+        stem = script.removesuffix(".py")
+        assert graph[stem] <= set(SHARED_IMPORTS), f"{script} imports {sorted(graph[stem] - set(SHARED_IMPORTS))}"
+
+    def visit(module, path):  # depth first: meeting a module already on the path is a cycle
+        assert module not in path, f"import cycle: {' -> '.join([*path, module])}"
+        for imported in graph[module]:
+            visit(imported, [*path, module])
+
+    for module in graph:
+        visit(module, [])
+
+
+def test_the_import_check_sees_lazy_imports(tmp_path):
+    lazy = tmp_path / "lazy.py"
+    lazy.write_text("import os\n\n\ndef f():\n    import data\n    from checkpoints import read_meta\n")
+    assert project_imports(lazy) == {"data", "checkpoints"}
+
+
+@pytest.mark.parametrize("module", sorted(SHARED_IMPORTS))
+def test_each_shared_module_is_at_most_500_lines(module):
+    lines = len((REPO / f"{module}.py").read_text().splitlines())
+    print(f"{module}.py: {lines} lines")
+    assert lines <= 500
+
+
+def test_no_line_of_the_projects_python_is_over_120_columns():
+    long = [f"{path.relative_to(REPO)}:{number}" for path in SOURCES
+            for number, line in enumerate(path.read_text().splitlines(), 1) if len(line) > 120]
+    assert not long, f"{len(long)} lines over 120 columns: {', '.join(long[:10])}"
+
+
+def test_ruff_finds_nothing():
+    """pyproject.toml's rules: pycodestyle, pyflakes and import order, lines of at most 120 columns."""
+    result = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=REPO, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -9,14 +9,14 @@ from helpers import check, read_metrics, run_script
 
 BUCKETS = [64, 128]
 # Short buckets first, so that 14 steps train in both (12, then 2 steps); the validation split has samples of both.
-COMPILE_RUN = ["--model", "tiny", "--buckets", ",".join(map(str, BUCKETS)), "--bucket-order", "ascending", "--max-steps", 14,
-               "--eval-every", 14, "--save-every", 14, "--dtype", "fp32", "--val-fraction", 0.02]
+COMPILE_RUN = ["--model", "tiny", "--buckets", ",".join(map(str, BUCKETS)), "--bucket-order", "ascending",
+               "--max-steps", 14, "--eval-every", 14, "--save-every", 14, "--dtype", "fp32", "--val-fraction", 0.02]
 
 
 def test_compiled_fsdp2_run_matches_eager_with_two_graphs_per_bucket(tmp_path):
     check(run_script("fsdp2_pretrain.py", *COMPILE_RUN, "--out-dir", tmp_path / "eager", nproc=2))
-    compiled = check(run_script("fsdp2_pretrain.py", *COMPILE_RUN, "--compile", "--out-dir", tmp_path / "compiled", nproc=2,
-                                env={"TORCH_LOGS": "recompiles"}))
+    compiled = check(run_script("fsdp2_pretrain.py", *COMPILE_RUN, "--compile", "--out-dir", tmp_path / "compiled",
+                                nproc=2, env={"TORCH_LOGS": "recompiles"}))
     eager_train, eager_val = read_metrics(tmp_path / "eager")
     compiled_train, compiled_val = read_metrics(tmp_path / "compiled")
     assert sorted({row["bucket_len"] for row in compiled_train.values()}) == BUCKETS  # every bucket was trained

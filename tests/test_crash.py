@@ -10,9 +10,17 @@ import time
 import pytest
 import torch
 
-import common
-import export_hf
-from helpers import SFT_DATA, TINY_RUN, check, read_metrics, run_script, traceback_through_our_code, tree_hashes
+import checkpoints
+from helpers import (
+    SFT_DATA,
+    TINY_RUN,
+    assert_same_weights_and_moments,
+    check,
+    read_metrics,
+    run_script,
+    traceback_through_our_code,
+    tree_hashes,
+)
 
 CRASHES = {  # script, moment (tests/crash.py's CRASH_AT), rank killed
     "ddp mid-run": ("ddp_pretrain.py", "step:12", 1),
@@ -25,7 +33,8 @@ CRASHES = {  # script, moment (tests/crash.py's CRASH_AT), rank killed
 
 def flags_of(script, tiny_run):
     """The shared tiny run's flags; GRPO's also name the SFT run it starts from, as conftest's tiny_run does."""
-    source = ["--init-from", tiny_run("fsdp2_sft.py")[0], "--eval-generate", 8, *SFT_DATA] if script == "fsdp2_grpo.py" else []
+    source = (["--init-from", tiny_run("fsdp2_sft.py")[0], "--eval-generate", 8, *SFT_DATA] if script == "fsdp2_grpo.py"
+              else [])
     return [*TINY_RUN, *source]
 
 
@@ -61,11 +70,13 @@ def test_a_crash_leaves_the_newest_complete_checkpoint_as_it_was(case, crashed, 
     out, result, _ = crashed(case)
     script, moment, _ = CRASHES[case]
     assert result.returncode != 0
-    assert [p.name for p in common.complete_checkpoints(out / "checkpoints")] == ["step_10"]
+    assert [p.name for p in checkpoints.complete_checkpoints(out / "checkpoints")] == ["step_10"]
     # The same flags and seed as the shared uninterrupted run: its step_10 holds the very same tensors, byte for byte
     # (DCP's .metadata records the folder's own path, and meta.json that file's size; the rest must be equal).
-    tensor_files = lambda run: {name: digest for name, digest in tree_hashes(run / "checkpoints" / "step_10").items()
-                                if not name.endswith((".metadata", "meta.json"))}
+    def tensor_files(run):
+        return {name: digest for name, digest in tree_hashes(run / "checkpoints" / "step_10").items()
+                if not name.endswith((".metadata", "meta.json"))}
+
     assert tensor_files(out) == tensor_files(tiny_run(script)[0])
     if moment.startswith("save"):  # it really died mid-save: the half-written folder is there, never committed
         assert (out / "checkpoints" / ".partial_step_20").is_dir()
@@ -79,7 +90,7 @@ def test_resume_after_a_crash_trains_the_same_steps_as_the_uninterrupted_run(cas
     result = check(run_script(script, *flags_of(script, tiny_run), "--out-dir", out, "--resume", nproc=2))
     assert "step_10 at step 10" in result.stdout
     assert not list((out / "checkpoints").glob(".*")), "leftovers of the crashed save were not cleaned up"
-    assert [p.name for p in common.complete_checkpoints(out / "checkpoints")] == ["step_10", "step_20"]
+    assert [p.name for p in checkpoints.complete_checkpoints(out / "checkpoints")] == ["step_10", "step_20"]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [row["step"] for row in rows if "loss" in row]
     assert steps == list(range(1, 21))  # the crashed run's rows after step 10 were dropped, each step logged once
@@ -88,13 +99,18 @@ def test_resume_after_a_crash_trains_the_same_steps_as_the_uninterrupted_run(cas
     for step in range(11, 21):
         assert resumed[step]["loss"] == pytest.approx(uninterrupted[step]["loss"], abs=1e-6)
         assert resumed[step]["grad_norm"] == pytest.approx(uninterrupted[step]["grad_norm"], rel=1e-5)
+    # the step-20 checkpoints: weights and AdamW moments too (FSDP1: test_fsdp_pretrain)
+    if script == "fsdp2_pretrain.py":
+        assert_same_weights_and_moments(out / "checkpoints" / "step_20",
+                                        tiny_run(script)[0] / "checkpoints" / "step_20", tmp_path)
 
 
 @pytest.mark.parametrize("script", ["ddp_pretrain.py", "fsdp2_pretrain.py"])
 def test_a_nonfinite_loss_stops_every_rank_before_the_update_and_saves_nothing_poisoned(script, tmp_path):
     # A learning rate of 1e30 makes the first update enormous: the next forward overflows to inf/NaN.
-    result = run_script(script, "--model", "tiny", "--lr", 1e30, "--warmup-steps", 1, "--max-steps", 6, "--save-every", 1,
-                        "--eval-every", 100, "--val-fraction", 0.002, "--dtype", "fp32", "--out-dir", tmp_path, nproc=2)
+    result = run_script(script, "--model", "tiny", "--lr", 1e30, "--warmup-steps", 1, "--max-steps", 6,
+                        "--save-every", 1, "--eval-every", 100, "--val-fraction", 0.002, "--dtype", "fp32",
+                        "--out-dir", tmp_path, nproc=2)
     assert result.returncode != 0 and not traceback_through_our_code(result.stderr)
     error_lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(error_lines) == 1 and "--lr" in error_lines[0], result.stderr
@@ -102,7 +118,7 @@ def test_a_nonfinite_loss_stops_every_rank_before_the_update_and_saves_nothing_p
     assert stopped_at >= 2
     train, _ = read_metrics(tmp_path)
     assert sorted(train) == list(range(1, stopped_at)) and all(math.isfinite(row["loss"]) for row in train.values())
-    saved = common.complete_checkpoints(tmp_path / "checkpoints")
+    saved = checkpoints.complete_checkpoints(tmp_path / "checkpoints")
     assert saved[-1].name == f"step_{stopped_at - 1}" and not list((tmp_path / "checkpoints").glob(".*"))
-    model, _ = export_hf.load_checkpoint_model(saved[-1])
+    model, _ = checkpoints.load_checkpoint_model(saved[-1])
     assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -21,9 +21,11 @@ def dcp_results(tmp_path_factory):
 @pytest.mark.parametrize("pair", PAIRS)
 def test_both_dcp_styles_restore_fsdp_weights_and_moments_exactly(pair, dcp_results):
     result = dcp_results[pair]
-    for rank in result["ranks"]:  # each rank's own shards (FSDP1: a rank holds moments only where its flat shard has elements)
+    # each rank's own shards (FSDP1: a rank holds moments only where its flat shard has elements)
+    for rank in result["ranks"]:
         assert rank["loaded"] == rank["saved"] and rank["max_difference"] == 0.0
     names = set().union(*(rank["saved"] for rank in result["ranks"]))
     assert len(names) == 26 + 2 * 26  # tiny's 26 parameters (the tied head is one), exp_avg and exp_avg_sq of each
     assert result["resumed_losses"] == pytest.approx(result["reference_losses"], abs=1e-6)
-    assert result["reference_losses"][-1] < result["reference_losses"][0]  # it trained: the check compared moving weights
+    # it trained: the check compared moving weights
+    assert result["reference_losses"][-1] < result["reference_losses"][0]

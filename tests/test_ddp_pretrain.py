@@ -1,4 +1,5 @@
-"""ddp_pretrain.py end to end on CPU with gloo: init sanity, metrics, loss normalisation (exact resume: test_crash.py)."""
+"""ddp_pretrain.py end to end on CPU with gloo: init sanity, metrics, loss normalisation (exact resume:
+test_crash.py)."""
 import argparse
 import json
 import math
@@ -8,6 +9,7 @@ import re
 import pytest
 
 import common
+import metrics
 from helpers import TINY_RUN, check, copy_checkpoint, read_metrics, run_script
 
 
@@ -39,13 +41,13 @@ def test_cpu_peak_memory_restarts_at_each_reset():
     import torch
 
     cpu = torch.device("cpu")
-    common.reset_peak_memory(cpu)
-    before = common.peak_memory_gb(cpu)
+    metrics.reset_peak_memory(cpu)
+    before = metrics.peak_memory_gb(cpu)
     touched = torch.ones(100_000_000)  # 0.4 GB, written so that it is resident
     del touched
-    with_tensor = common.peak_memory_gb(cpu)
-    common.reset_peak_memory(cpu)
-    after_reset = common.peak_memory_gb(cpu)
+    with_tensor = metrics.peak_memory_gb(cpu)
+    metrics.reset_peak_memory(cpu)
+    after_reset = metrics.peak_memory_gb(cpu)
     assert with_tensor - before > 0.35
     assert after_reset < with_tensor - 0.35  # on CPU too, not only for CUDA's allocator
 
@@ -64,7 +66,8 @@ def test_keep_last_leaves_the_newest_checkpoints(twenty_steps):
 def test_resume_follows_a_new_lr_and_says_what_changed(twenty_steps, tmp_path):
     """A user lowers --lr after a spike and resumes: the first resumed step already uses the new schedule."""
     resumed_dir = copy_checkpoint(twenty_steps[0], 10, tmp_path / "resumed")
-    result = check(run_script("ddp_pretrain.py", *TINY_RUN, "--lr", 1e-3, "--max-steps", 12, "--out-dir", resumed_dir, "--resume", nproc=2))
+    result = check(run_script("ddp_pretrain.py", *TINY_RUN, "--lr", 1e-3, "--max-steps", 12, "--out-dir", resumed_dir,
+                              "--resume", nproc=2))
     assert "changed against the checkpoint: --lr 0.001 (was 0.003), --max-steps 12 (was 20)" in result.stdout
     resumed, original = read_metrics(resumed_dir)[0], read_metrics(twenty_steps[0])[0]
     flags = argparse.Namespace(lr=1e-3, warmup_steps=5, max_steps=12, min_lr_ratio=0.1)
@@ -105,6 +108,7 @@ def test_gradients_do_not_depend_on_how_the_global_batch_is_split(tmp_path):
 
 
 def test_plain_python_runs_as_a_single_process(tmp_path):
-    check(run_script("ddp_pretrain.py", "--model", "tiny", "--max-steps", 2, "--val-fraction", 0.002, "--out-dir", tmp_path, torchrun=False))
+    check(run_script("ddp_pretrain.py", "--model", "tiny", "--max-steps", 2, "--val-fraction", 0.002,
+                     "--out-dir", tmp_path, torchrun=False))
     train, _ = read_metrics(tmp_path)
     assert sorted(train) == [1, 2] and train[1]["padded_tokens"] == train[1]["batch_size"] * train[1]["bucket_len"]

@@ -5,15 +5,18 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import checkpoints
 import common
+import data
 import export_hf
 import prepare_data
 from helpers import check, read_metrics, run_script, tree_hashes
 
 SCRIPTS = ["ddp_pretrain.py", "fsdp1_pretrain.py", "fsdp2_pretrain.py", "fsdp2_sft.py", "fsdp2_grpo.py"]
-STRINGS = ["Hello world, it's 2026!", "  two  spaces, tabs\tand\nnewlines\n\n", "naïve café Ærøskøbing 東京 🙂", "1234567 + 89 = 1234656",
-           "def f(x):\n    return [i ** 2 for i in range(10)]  # code\n", "<|begin_of_thought|>\n\nFirst, 6 + 2 = 8<|end_of_thought|>",
-           "<|user|>hi<|end_of_turn|><|assistant|>", "<|begin_of_solution|>The answer is 7.<|end_of_solution|><|endoftext|>"]
+STRINGS = ["Hello world, it's 2026!", "  two  spaces, tabs\tand\nnewlines\n\n", "naïve café Ærøskøbing 東京 🙂",
+           "1234567 + 89 = 1234656", "def f(x):\n    return [i ** 2 for i in range(10)]  # code\n",
+           "<|begin_of_thought|>\n\nFirst, 6 + 2 = 8<|end_of_thought|>", "<|user|>hi<|end_of_turn|><|assistant|>",
+           "<|begin_of_solution|>The answer is 7.<|end_of_solution|><|endoftext|>"]
 
 
 def export(checkpoint, out_dir):
@@ -25,7 +28,7 @@ def exported(tiny_run, tmp_path_factory):
     """{script: (checkpoint folder, exported folder, checkpoint hashes before the export)}"""
     folders = {}
     for script in SCRIPTS:
-        checkpoint_dir = export_hf.resolve_checkpoint(tiny_run(script)[0])
+        checkpoint_dir = checkpoints.resolve_checkpoint(tiny_run(script)[0])
         before = tree_hashes(checkpoint_dir)
         out_dir = tmp_path_factory.mktemp("hf") / script.removesuffix(".py")
         if script == SCRIPTS[0]:
@@ -40,41 +43,50 @@ def exported(tiny_run, tmp_path_factory):
 def test_exported_model_computes_the_same_logits(exported, script):
     checkpoint_dir, out_dir, before = exported[script]
     assert tree_hashes(checkpoint_dir) == before  # the export only read the checkpoint
-    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= {p.name for p in out_dir.iterdir()}
-    trained, _ = export_hf.load_checkpoint_model(checkpoint_dir)
+    assert ({"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"}
+            <= {p.name for p in out_dir.iterdir()})
+    trained, _ = checkpoints.load_checkpoint_model(checkpoint_dir)
     hf_model = AutoModelForCausalLM.from_pretrained(out_dir, local_files_only=True).eval()
-    assert type(hf_model).__name__ == "LlamaForCausalLM"  # Qwen2's layers with o_proj biases of zero (export_hf.py says why)
-    input_ids = torch.randint(0, common.EOT_ID + 1 + len(common.SPECIAL_TOKENS), (3, 40), generator=torch.Generator().manual_seed(0))
+    # Qwen2's layers with o_proj biases of zero (export_hf.py says why)
+    assert type(hf_model).__name__ == "LlamaForCausalLM"
+    input_ids = torch.randint(0, common.EOT_ID + 1 + len(common.SPECIAL_TOKENS), (3, 40),
+                              generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        torch.testing.assert_close(hf_model(input_ids=input_ids).logits, trained(input_ids=input_ids).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(hf_model(input_ids=input_ids).logits, trained(input_ids=input_ids).logits,
+                                   rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_autotokenizer_on_the_export_gives_the_training_ids(exported, script):
-    hf_tokenizer = AutoTokenizer.from_pretrained(exported[script][1], local_files_only=True)  # what pipelines, vLLM, lm-eval call
+    # what pipelines, vLLM, lm-eval call
+    hf_tokenizer = AutoTokenizer.from_pretrained(exported[script][1], local_files_only=True)
     tokenizer = common.get_chat_tokenizer()
     for text in STRINGS:
-        assert hf_tokenizer(text, add_special_tokens=False)["input_ids"] == tokenizer.encode(text, allowed_special="all"), text
+        assert (hf_tokenizer(text, add_special_tokens=False)["input_ids"]
+                == tokenizer.encode(text, allowed_special="all")), text
         assert hf_tokenizer.decode(tokenizer.encode(text, allowed_special="all")) == text
-    assert [hf_tokenizer.convert_tokens_to_ids(marker) for marker in common.SPECIAL_TOKENS] == list(common.SPECIAL_TOKENS.values())
+    assert ([hf_tokenizer.convert_tokens_to_ids(marker) for marker in common.SPECIAL_TOKENS]
+            == list(common.SPECIAL_TOKENS.values()))
 
 
 def held_out_question():
     """A built-in problem of the SFT's validation split (the tiny run's --val-fraction), never trained on."""
     records = prepare_data.builtin_reasoning_records()
-    return records[common.validation_documents(len(records), 0.002)[0]]["conversations"][0]["value"]
+    return records[data.validation_documents(len(records), 0.002)[0]]["conversations"][0]["value"]
 
 
 def test_pipeline_on_the_export_answers_as_generate_py_does(exported):
     checkpoint_dir, out_dir, _ = exported["fsdp2_sft.py"]
     question = held_out_question()
-    printed = check(run_script("generate.py", checkpoint_dir, "--chat", "--prompt", question, "--max-new-tokens", 24, torchrun=False)).stdout
+    printed = check(run_script("generate.py", checkpoint_dir, "--chat", "--prompt", question, "--max-new-tokens", 24,
+                               torchrun=False)).stdout
     chat = transformers.pipeline("text-generation", model=str(out_dir), device="cpu")
     messages = [{"role": "system", "content": common.BUILTIN_SYSTEM_PROMPT}, {"role": "user", "content": question}]
     output = chat(messages, max_new_tokens=24, do_sample=False, skip_special_tokens=False)  # keep the reasoning markers
     reply = output[0]["generated_text"][-1]
     assert reply["role"] == "assistant"
-    assert printed == reply["content"].removesuffix("<|end_of_turn|>") + "\n"  # generation stopped at the end of the turn alike
+    # generation stopped at the end of the turn alike
+    assert printed == reply["content"].removesuffix("<|end_of_turn|>") + "\n"
 
 
 def test_export_refuses_a_partial_checkpoint_and_a_used_out_dir(exported, tmp_path):
@@ -82,11 +94,12 @@ def test_export_refuses_a_partial_checkpoint_and_a_used_out_dir(exported, tmp_pa
     partial = tmp_path / "step_30"
     partial.mkdir()
     (partial / "checkpoint.pt").write_bytes(b"cut short")  # a save that never wrote its meta.json
-    for args, message in [((partial, tmp_path / "a"), "is neither a checkpoint folder"),
-                          ((checkpoint_dir, out_dir), "already exists and is not empty")]:
-        result = run_script("export_hf.py", *args, torchrun=False)
-        assert result.returncode == 1 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
-        assert len(result.stderr.strip().splitlines()) == 1
+    result = run_script("export_hf.py", partial, tmp_path / "a")  # the command line: one line, no traceback
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.startswith("error: ") and "is neither a checkpoint folder" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    with pytest.raises(common.UsageError, match="already exists and is not empty"):
+        export_hf.export(checkpoint_dir, out_dir)
 
 
 @pytest.mark.parametrize("damage,message", [("truncated", "is damaged"), ("overwritten", "cannot be read")])
@@ -98,8 +111,9 @@ def test_export_refuses_a_damaged_checkpoint_file(damage, message, exported, tmp
     (broken / "meta.json").write_bytes((checkpoint_dir / "meta.json").read_bytes())
     weights = (checkpoint_dir / "checkpoint.pt").read_bytes()
     (broken / "checkpoint.pt").write_bytes(weights[:5000] if damage == "truncated" else bytes(len(weights)))
-    result = run_script("export_hf.py", broken, tmp_path / "out", torchrun=False)
-    assert result.returncode == 1 and message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    with pytest.raises(common.UsageError) as error:
+        export_hf.export(broken, tmp_path / "out")
+    assert message in str(error.value) and "\n" not in str(error.value)
     assert not (tmp_path / "out").exists()
 
 

@@ -1,19 +1,13 @@
 """fsdp2_sft.py end to end on CPU with gloo, and generate.py on the checkpoints of every script."""
 import pytest
 import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+import checkpoints
 import common
-import export_hf
-from helpers import SFT_DATA, TINY_RUN, check, copy_checkpoint, read_metrics, run_script
+import modeling
+from helpers import SFT_DATA, TINY_RUN, check, copy_checkpoint, model_tensors, read_metrics, run_script
 
 NEW_ROWS = slice(common.EOT_ID + 1, common.EOT_ID + 1 + len(common.SPECIAL_TOKENS))
-
-
-def model_tensors(checkpoint_dir, tmp_path):
-    target = tmp_path / f"{checkpoint_dir.parent.parent.name}-{checkpoint_dir.name}.pt"
-    dcp_to_torch_save(checkpoint_dir / "model", target)
-    return torch.load(target, weights_only=True)
 
 
 def test_init_from_loads_every_pretrained_parameter(tiny_run, tmp_path):
@@ -43,17 +37,12 @@ def test_sft_trains_on_assistant_tokens_only_and_resumes_exactly(tiny_run, tmp_p
     assert all(row["target_tokens"] < row["tokens"] for row in original.values())  # prompts carry no loss
     assert sorted(val) == [0, 10, 20] and val[20] < val[0]
     resumed_dir = copy_checkpoint(out, 10, tmp_path)
-    check(run_script("fsdp2_sft.py", *TINY_RUN, *SFT_DATA, "--eval-generate", 8, "--out-dir", resumed_dir, "--resume", nproc=2))
+    check(run_script("fsdp2_sft.py", *TINY_RUN, *SFT_DATA, "--eval-generate", 8, "--out-dir", resumed_dir, "--resume",
+                     nproc=2))
     resumed, _ = read_metrics(resumed_dir)
     assert sorted(resumed) == list(range(11, 21))
     for step in range(11, 21):
         assert resumed[step]["loss"] == pytest.approx(original[step]["loss"], abs=1e-6)
-
-
-def test_sft_without_a_pretrained_checkpoint_says_what_to_run(tmp_path):
-    result = run_script("fsdp2_sft.py", "--model", "tiny", "--init-from", tmp_path / "nothing", "--out-dir", tmp_path / "sft", torchrun=False)
-    assert result.returncode != 0 and "Traceback" not in result.stderr
-    assert "fsdp2_pretrain.py" in result.stderr and "--init-from" in result.stderr
 
 
 def run_generate(*flags):
@@ -62,14 +51,15 @@ def run_generate(*flags):
 
 def test_generate_reads_the_checkpoint_of_every_pretraining_script(tiny_run):
     """The three strategies train the same model, so their step-20 checkpoints continue a text alike: generate.py on
-    DDP's, and the same greedy call in this process on FSDP1's and FSDP2's (their DCP formats read by load_checkpoint_model)."""
+    DDP's, and the same greedy call in this process on FSDP1's and FSDP2's (their DCP formats read by
+    load_checkpoint_model)."""
     printed = run_generate(tiny_run("ddp_pretrain.py")[0], "--prompt", "The interpreter", "--max-new-tokens", 12)
     assert printed.startswith("The interpreter") and len(printed) > len("The interpreter\n")
     tokenizer = common.get_tokenizer()
     for script in ("fsdp1_pretrain.py", "fsdp2_pretrain.py"):
-        model, _ = export_hf.load_checkpoint_model(export_hf.resolve_checkpoint(tiny_run(script)[0]))
+        model, _ = checkpoints.load_checkpoint_model(checkpoints.resolve_checkpoint(tiny_run(script)[0]))
         with torch.no_grad():
-            reply = common.generate_replies(model, [tokenizer.encode_ordinary("The interpreter")], 12)[0]
+            reply = modeling.generate_replies(model, [tokenizer.encode_ordinary("The interpreter")], 12)[0]
         assert "The interpreter" + tokenizer.decode(reply) + "\n" == printed, script
 
 
@@ -78,11 +68,11 @@ def test_generate_chat_renders_the_trained_format(tiny_run):
     question = "Compute 4 + 3 - 2 + 1."
     printed = run_generate(out, "--chat", "--prompt", question, "--max-new-tokens", 20)
     # The same reply, made here by hand: system + user turn as in training, then the assistant marker.
-    model, meta = export_hf.load_checkpoint_model(export_hf.resolve_checkpoint(out))
+    model, meta = checkpoints.load_checkpoint_model(checkpoints.resolve_checkpoint(out))
     tokenizer = common.get_chat_tokenizer()
     prompt, _ = common.encode_conversation(tokenizer, [("system", common.BUILTIN_SYSTEM_PROMPT), ("user", question)])
     with torch.no_grad():
-        reply = common.generate_replies(model, [prompt + [common.SPECIAL_TOKENS["<|assistant|>"]]], 20)[0]
+        reply = modeling.generate_replies(model, [prompt + [common.SPECIAL_TOKENS["<|assistant|>"]]], 20)[0]
     stop = [common.SPECIAL_TOKENS[common.END_OF_TURN], common.EOT_ID]
     expected = tokenizer.decode(reply[:-1] if reply and reply[-1] in stop else reply)
     assert printed == expected + "\n"

@@ -4,12 +4,13 @@ import math
 import torch
 
 import common
+import modeling
 
 
 def test_qwen2_preset_has_the_recipe_parameter_count():
     with torch.device("meta"):  # shapes only: no memory, no init
-        model = common.build_model("qwen2-0.5b")
-    assert common.count_parameters(model) == 402_970_496
+        model = modeling.build_model("qwen2-0.5b")
+    assert modeling.count_parameters(model) == 402_970_496
     config = model.config
     assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (896, 4864, 24)
     assert (config.num_attention_heads, config.num_key_value_heads, config.vocab_size) == (14, 2, 50_304)
@@ -19,13 +20,13 @@ def test_qwen2_preset_has_the_recipe_parameter_count():
 def test_activation_checkpointing_is_on_for_every_decoder_layer():
     for preset in common.MODEL_PRESETS:
         with torch.device("meta"):
-            model = common.build_model(preset)
+            model = modeling.build_model(preset)
         assert all(layer.gradient_checkpointing for layer in model.model.layers), preset
 
 
 def test_checkpointing_recomputes_in_backward_and_gives_the_same_gradients():
     torch.manual_seed(0)
-    model = common.build_model("tiny")
+    model = modeling.build_model("tiny")
     input_ids = torch.randint(0, 50_257, (2, 16))
     model.train()
     model(input_ids=input_ids).logits.square().mean().backward()
@@ -40,7 +41,7 @@ def test_checkpointing_recomputes_in_backward_and_gives_the_same_gradients():
 
 def test_initial_loss_is_uniform_over_the_vocabulary():
     torch.manual_seed(0)
-    model = common.build_model("small")
+    model = modeling.build_model("small")
     input_ids = torch.randint(0, 50_257, (4, 64))
     with torch.no_grad():
         logits = model(input_ids=input_ids).logits
@@ -50,17 +51,17 @@ def test_initial_loss_is_uniform_over_the_vocabulary():
 
 def test_flops_per_token_formula():
     with torch.device("meta"):
-        model = common.build_model("qwen2-0.5b")
-    n = common.count_parameters(model)
+        model = modeling.build_model("qwen2-0.5b")
+    n = modeling.count_parameters(model)
     # 6N + 12 * layers * heads * head_dim * seq_len, at seq_len 2048
-    assert common.flops_per_token(n, model.config, 2048) == 6 * 402_970_496 + 12 * 24 * 14 * 64 * 2048
+    assert modeling.flops_per_token(n, model.config, 2048) == 6 * 402_970_496 + 12 * 24 * 14 * 64 * 2048
 
 
 def test_chunked_loss_equals_the_plain_loss_and_its_gradients():
     """model(input_ids, targets=...) never builds the whole batch's logits; it must still be the plain
     summed cross-entropy over the non-ignored targets, with the same gradient for every parameter."""
     torch.manual_seed(0)
-    model = common.build_model("tiny")
+    model = modeling.build_model("tiny")
     model.train()
     input_ids = torch.randint(0, 50_257, (3, 150))  # 330 targets: three 128-row chunks on CPU, the last one short
     targets = torch.randint(0, 50_257, (3, 150))
@@ -73,7 +74,7 @@ def test_chunked_loss_equals_the_plain_loss_and_its_gradients():
     logits = model(input_ids=input_ids).logits
     plain = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
     plain.backward()
-    assert int((targets != common.IGNORE_INDEX).sum()) > 2 * common.LOSS_CHUNK_ROWS["cpu"]
+    assert int((targets != common.IGNORE_INDEX).sum()) > 2 * modeling.LOSS_CHUNK_ROWS["cpu"]
     torch.testing.assert_close(chunked, plain, rtol=1e-5, atol=1e-5)
     for a, b in zip(chunked_grads, [p.grad for p in model.parameters()]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -91,7 +92,7 @@ def test_selective_checkpointing_recomputes_no_matmul_and_gives_the_same_gradien
     flops, grads = {}, {}
     for mode in ("full", "selective", "none"):
         torch.manual_seed(0)
-        model = common.build_model("tiny", "full" if mode == "none" else mode).train()
+        model = modeling.build_model("tiny", "full" if mode == "none" else mode).train()
         for layer in model.model.layers:
             layer.gradient_checkpointing = mode != "none"
         with FlopCounterMode(display=False) as counter:

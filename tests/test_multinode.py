@@ -21,8 +21,9 @@ def test_two_agents_on_loopback_match_one_agent_with_two_processes(tiny_run, tmp
     launcher = [PYTHON, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
                 f"--rdzv_endpoint=127.0.0.1:{free_port()}", "--rdzv_id=loopback-test"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "GLOO_SOCKET_IFNAME": "lo"}
-    agents = [subprocess.Popen([*launcher, str(REPO / "fsdp2_pretrain.py"), *map(str, TINY_RUN), "--out-dir", str(out)],
-                               cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    command = [*launcher, str(REPO / "fsdp2_pretrain.py"), *map(str, TINY_RUN), "--out-dir", str(out)]
+    agents = [subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+              for _ in range(2)]
     outputs = [agent.communicate(timeout=300)[0] for agent in agents]
     assert [agent.returncode for agent in agents] == [0, 0], "\n".join(output[-3000:] for output in outputs)
     two_nodes, single_node = read_metrics(out)[0], read_metrics(single_node_dir)[0]

@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import common
+import data
 import prepare_data
 from helpers import PYTHON, REPO, TINY_RUN, check, run_script
 
@@ -31,7 +32,8 @@ def write_parquet(path, n_docs, seed=0, words_per_doc=(1, 400)):
 
 
 def args_for(data, *flags):
-    return common.finalize_args(common.get_parser("", "runs/x").parse_args(["--model", "tiny", "--data", str(data), *map(str, flags)]))
+    parser = common.get_parser("", "runs/x")
+    return common.finalize_args(parser.parse_args(["--model", "tiny", "--data", str(data), *map(str, flags)]))
 
 
 def sha256(path):
@@ -44,7 +46,8 @@ def prepared(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("prepare")
     texts = write_parquet(tmp / "docs.parquet", 3000)
     prepare_data.prepare(args_for(tmp / "docs.parquet"), "pretrain", tmp / "one", workers=1, progress=False)
-    result = check(run_script("prepare_data.py", "--data", tmp / "docs.parquet", "--out-dir", tmp / "two", "--workers", 2, torchrun=False))
+    result = check(run_script("prepare_data.py", "--data", tmp / "docs.parquet", "--out-dir", tmp / "two",
+                              "--workers", 2, torchrun=False))
     return tmp, texts, result
 
 
@@ -59,17 +62,21 @@ def test_prepared_bytes_are_the_same_for_1_and_2_workers_and_equal_tiktoken(prep
     assert tokens.tolist() == expected and len(offsets) == len(kept) + 1 and offsets[-1] == len(tokens)
     assert (tokens[offsets[1:] - 1] == common.EOT_ID).all()  # every document ends with <|endoftext|>
     meta = json.loads((tmp / "two" / "meta.json").read_text())
-    assert meta["documents"] == len(kept) and meta["tokens"] == len(expected) and meta["files"]["tokens.bin"]["sha256"] == sha256(tmp / "two" / "tokens.bin")
+    assert (meta["documents"] == len(kept) and meta["tokens"] == len(expected)
+            and meta["files"]["tokens.bin"]["sha256"] == sha256(tmp / "two" / "tokens.bin"))
     assert f"{len(expected):,} tokens" in result.stdout
 
 
 def test_training_reads_a_prepared_folder_as_it_reads_its_source(prepared):
     tmp, _, _ = prepared
-    from_folder = common.load_pretraining_data(args_for(tmp / "two"), common.get_tokenizer())
-    from_source = common.load_pretraining_data(args_for(tmp / "docs.parquet", "--cache-dir", tmp / "cache"), common.get_tokenizer())
+    from_folder = data.load_pretraining_data(args_for(tmp / "two"), common.get_tokenizer())
+    from_source = data.load_pretraining_data(args_for(tmp / "docs.parquet", "--cache-dir", tmp / "cache"),
+                                             common.get_tokenizer())
     for a, b in zip(from_folder, from_source):
-        assert np.array_equal(a.starts, b.starts) and np.array_equal(a.lengths, b.lengths) and a.content_sha256 == b.content_sha256
-    assert isinstance(from_folder[0].tokens, np.memmap) and Path(from_folder[0].tokens.filename) == tmp / "two" / "tokens.bin"
+        assert (np.array_equal(a.starts, b.starts) and np.array_equal(a.lengths, b.lengths)
+                and a.content_sha256 == b.content_sha256)
+    assert (isinstance(from_folder[0].tokens, np.memmap)
+            and Path(from_folder[0].tokens.filename) == tmp / "two" / "tokens.bin")
 
 
 @pytest.mark.parametrize("change,words", [
@@ -83,8 +90,9 @@ def test_a_folder_of_another_format_tokenizer_or_kind_is_refused_in_one_line(cha
     change(meta)
     (folder / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(common.UsageError) as error:
-        common.load_pretraining_data(args_for(folder), common.get_tokenizer())
-    assert str(error.value).startswith(f"--data {folder}") and words in str(error.value) and "\n" not in str(error.value)
+        data.load_pretraining_data(args_for(folder), common.get_tokenizer())
+    assert (str(error.value).startswith(f"--data {folder}") and words in str(error.value)
+            and "\n" not in str(error.value))
 
 
 def test_a_token_id_that_does_not_fit_uint16_cannot_be_written():
@@ -96,8 +104,9 @@ def test_a_token_id_that_does_not_fit_uint16_cannot_be_written():
 def test_a_killed_preparation_leaves_no_folder_that_training_accepts(tmp_path):
     write_parquet(tmp_path / "big.parquet", 40_000, words_per_doc=(300, 500))  # a few seconds of work
     out_dir = tmp_path / "prepared"
-    process = subprocess.Popen([PYTHON, str(REPO / "prepare_data.py"), "--data", str(tmp_path / "big.parquet"), "--out-dir", str(out_dir),
-                                "--workers", "1"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen([PYTHON, str(REPO / "prepare_data.py"), "--data", str(tmp_path / "big.parquet"),
+                                "--out-dir", str(out_dir), "--workers", "1"],
+                               cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 60
     while not any(p.stat().st_size for p in tmp_path.glob(".prepared.partial-*/tokens.bin")) and time.time() < deadline:
         time.sleep(0.05)
@@ -106,7 +115,7 @@ def test_a_killed_preparation_leaves_no_folder_that_training_accepts(tmp_path):
     partial = next(tmp_path.glob(".prepared.partial-*"))
     assert not out_dir.exists() and (partial / "tokens.bin").stat().st_size > 0 and not (partial / "meta.json").exists()
     with pytest.raises(common.UsageError, match="not a complete prepared folder"):
-        common.load_pretraining_data(args_for(partial), common.get_tokenizer())
+        data.load_pretraining_data(args_for(partial), common.get_tokenizer())
     prepare_data.remove_stale_partials(out_dir)  # what the next preparation does first: its process is gone
     assert not partial.exists()
 
@@ -114,5 +123,23 @@ def test_a_killed_preparation_leaves_no_folder_that_training_accepts(tmp_path):
 def test_the_tiny_runs_corpus_crosses_an_epoch_boundary_between_its_checkpoints():
     """What makes every resume test from step 10 cross an epoch (helpers.TINY_RUN)."""
     args = common.finalize_args(common.get_parser("", "runs/x").parse_args(list(map(str, TINY_RUN))))
-    train, _ = common.load_pretraining_data(args, common.get_tokenizer())
-    assert 10 < len(common.epoch_schedule(train.lengths, args.buckets, args.tokens_per_batch, 2, 1, args.seed, 0)) < 20
+    train, _ = data.load_pretraining_data(args, common.get_tokenizer())
+    assert 10 < len(data.epoch_schedule(train.lengths, args.buckets, args.tokens_per_batch, 2, 1, args.seed, 0)) < 20
+
+
+@pytest.mark.parametrize("layout", ["Dataset", "DatasetDict"])
+def test_a_folder_written_by_save_to_disk_is_read_as_the_dataset_it_holds(layout, tmp_path):
+    """The usual local copy of a Hugging Face dataset: the same samples as the same rows in a .jsonl file."""
+    import datasets
+
+    texts = [text for text in write_parquet(tmp_path / "docs.parquet", 60) if isinstance(text, str)]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    dataset = datasets.Dataset.from_dict({"text": texts, "id": list(range(len(texts)))})
+    if layout == "DatasetDict":  # the train split is read; the other split is not
+        dataset = datasets.DatasetDict({"train": dataset, "test": datasets.Dataset.from_dict({"text": ["held apart"]})})
+    dataset.save_to_disk(str(tmp_path / "saved"))
+    cache = ["--cache-dir", tmp_path / "cache"]
+    from_saved = data.load_pretraining_data(args_for(tmp_path / "saved", *cache), common.get_tokenizer())
+    from_jsonl = data.load_pretraining_data(args_for(tmp_path / "docs.jsonl", *cache), common.get_tokenizer())
+    for saved, jsonl in zip(from_saved, from_jsonl):
+        assert np.array_equal(saved.lengths, jsonl.lengths) and saved.content_sha256 == jsonl.content_sha256

@@ -9,6 +9,7 @@ import pandas
 import pytest
 
 import common
+import data
 import prepare_data
 
 IGNORE = common.IGNORE_INDEX
@@ -87,26 +88,30 @@ def sft_args(tmp_path, data):
 
 
 def test_openthoughts_and_messages_schemas_load_to_the_same_samples(tmp_path, tokenizer):
-    conversations = [("You are terse.", [("user", f"What is {i} + 1?"), ("assistant", f"<|begin_of_solution|>{i + 1}<|end_of_solution|>")])
+    conversations = [("You are terse.", [("user", f"What is {i} + 1?"),
+                                         ("assistant", f"<|begin_of_solution|>{i + 1}<|end_of_solution|>")])
                      for i in range(8)]
     openthoughts = [{"system": system, "conversations": [{"from": role, "value": text} for role, text in turns]}
                     for system, turns in conversations]
-    messages = [{"messages": [{"role": "system", "content": system}] + [{"role": role, "content": text} for role, text in turns]}
+    messages = [{"messages": [{"role": "system", "content": system}]
+                 + [{"role": role, "content": text} for role, text in turns]}
                 for system, turns in conversations]
     (tmp_path / "openthoughts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in openthoughts))
     pandas.DataFrame(messages).to_parquet(tmp_path / "messages.parquet")
     splits = {}
     for name in ("openthoughts.jsonl", "messages.parquet"):
-        splits[name] = common.load_sft_data(sft_args(tmp_path, tmp_path / name), tokenizer)
+        splits[name] = data.load_sft_data(sft_args(tmp_path, tmp_path / name), tokenizer)
     a, b = splits.values()
     for split_a, split_b in zip(a, b):
         assert np.array_equal(split_a.tokens, split_b.tokens) and np.array_equal(split_a.mask, split_b.mask)
-        assert np.array_equal(split_a.starts, split_b.starts) and np.array_equal(split_a.target_counts, split_b.target_counts)
+        assert (np.array_equal(split_a.starts, split_b.starts)
+                and np.array_equal(split_a.target_counts, split_b.target_counts))
     assert len(a[0].lengths) == 6 and len(a[1].lengths) == 2
-    reply_lengths = {len(tokenizer.encode(turns[1][1], allowed_special="all")) + 1 for _, turns in conversations}  # + end marker
+    # + end marker
+    reply_lengths = {len(tokenizer.encode(turns[1][1], allowed_special="all")) + 1 for _, turns in conversations}
     assert set(a[0].target_counts.tolist()) <= reply_lengths
     # The loss mask is exactly the labels of the chat format: assistant text and its end marker.
-    tokens = common.sample_tokens(a[0], 0).tolist()
+    tokens = data.sample_tokens(a[0], 0).tolist()
     labels = [token if a[0].mask[a[0].starts[0] + j] else IGNORE for j, token in enumerate(tokens)]
     messages = next(prepare_data.conversation_messages(row, "x") for row in openthoughts
                     if common.encode_conversation(tokenizer, prepare_data.conversation_messages(row, "x"))[0] == tokens)
@@ -116,4 +121,4 @@ def test_openthoughts_and_messages_schemas_load_to_the_same_samples(tmp_path, to
 def test_a_wrong_schema_is_a_usage_error(tmp_path, tokenizer):
     (tmp_path / "wrong.jsonl").write_text(json.dumps({"prompt": "hi", "completion": "there"}) + "\n")
     with pytest.raises(common.UsageError, match="conversations"):
-        common.load_sft_data(sft_args(tmp_path, tmp_path / "wrong.jsonl"), tokenizer)
+        data.load_sft_data(sft_args(tmp_path, tmp_path / "wrong.jsonl"), tokenizer)

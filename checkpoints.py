@@ -1,0 +1,249 @@
+"""Checkpoint bookkeeping shared by every script: find, commit, verify and prune checkpoint folders; the --resume
+and --init-from lookups and the checks on a resume; reading an exported Hugging Face folder; and any checkpoint into
+one plain model. How each strategy saves and loads its state (DCP or torch.save) is written out in the scripts."""
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+import common
+import modeling
+
+# ----------------------------------------------------------------------------------------------
+# Finding, committing and pruning. A save writes into a hidden .partial_step_<N> folder, renamed to step_<N> once
+# complete, with meta.json written last: a crash at any moment leaves no step_<N> folder that is not whole.
+
+
+def complete_checkpoints(checkpoint_root):
+    """Committed checkpoints (step_<N> folders holding a meta.json), oldest first."""
+    root = Path(checkpoint_root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.name.startswith("step_") and p.name[5:].isdigit()
+             and (p / "meta.json").is_file()]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def newest_checkpoint(path):
+    """PATH itself if it is a complete checkpoint folder, else the newest one of the run folder PATH, or None."""
+    path = Path(path)
+    if (path / "meta.json").is_file() or is_hf_folder(path):
+        return path
+    found = complete_checkpoints(path / "checkpoints")
+    return found[-1] if found else None
+
+
+def commit_checkpoint(partial_dir, args, script, step, world_size, data_order):
+    """Rank 0, once every rank has written: add meta.json, rename to step_<N>, drop the oldest beyond --keep-last.
+    meta.json lets --resume, generate.py and export_hf.py check a checkpoint without reading the weights."""
+    files = {str(f.relative_to(partial_dir)): f.stat().st_size for f in sorted(partial_dir.rglob("*")) if f.is_file()}
+    meta = {"script": script, "model": args.model, "model_config": common.MODEL_PRESETS[args.model]["model"],
+            "vocab_size": common.VOCAB_SIZE, "step": step, "world_size": world_size, "data": args.data,
+            "config": common.flag_values(args),  # a resume says which flags it changed (check_resume)
+            "data_order": data_order,  # what a resume may not change (check_resume)
+            "files": files}  # every file's size: a truncated or missing file is caught before anything loads
+    (partial_dir / "meta.json").write_text(json.dumps(meta, indent=2))
+    os.replace(partial_dir, partial_dir.parent / f"step_{step}")  # atomic: the checkpoint appears whole or not at all
+    for old in complete_checkpoints(partial_dir.parent)[:-args.keep_last]:  # never the newest: keep_last >= 1
+        removing = old.with_name(f".removing_{old.name}")
+        os.replace(old, removing)  # hidden first, so a crash mid-delete leaves no half-deleted step_<N>
+        shutil.rmtree(removing)
+
+
+def remove_incomplete_checkpoints(checkpoint_root):
+    """Rank 0, on start: delete what a crashed run left behind, saves never committed or deletions never
+    finished. Neither is a complete checkpoint, so --resume never reads them; this only frees the disk."""
+    for prefix in (".partial_step_", ".removing_step_"):
+        for leftover in Path(checkpoint_root).glob(f"{prefix}*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def read_meta(checkpoint_dir, flag):
+    """The meta.json of a complete checkpoint folder (for an exported folder, what export_hf.py recorded and
+    the preset its shape matches), or a usage error naming `flag`."""
+    if is_hf_folder(checkpoint_dir):
+        export = Path(checkpoint_dir) / "export.json"
+        try:
+            meta = json.loads(export.read_text()) if export.is_file() else {"script": "hf", "step": None, "data": None}
+            return {**meta, "model": hf_preset(checkpoint_dir), "hf": True}
+        except (OSError, ValueError) as error:
+            raise common.UsageError(f"{flag} {checkpoint_dir}: its config.json or export.json cannot be read "
+                                    f"({common.error_reason(error)})") from None
+    try:
+        meta = json.loads((Path(checkpoint_dir) / "meta.json").read_text())
+    except (OSError, ValueError):
+        meta = None
+    if not isinstance(meta, dict) or not all(key in meta for key in ("script", "model", "step")):
+        raise common.UsageError(f"{flag} {checkpoint_dir} is not a complete checkpoint of these scripts "
+                                f"(no readable meta.json)")
+    for name, size in meta.get("files", {}).items():  # the sizes recorded at commit
+        path = Path(checkpoint_dir) / name
+        if not path.is_file() or path.stat().st_size != size:
+            found = f"{path.stat().st_size} bytes" if path.is_file() else "missing"
+            raise common.UsageError(f"{flag} {checkpoint_dir} is damaged: {name} is {found}, {size} bytes were "
+                                    f"written; pass an older checkpoint folder")
+    return meta
+
+
+# ----------------------------------------------------------------------------------------------
+# --resume and --init-from: found and checked before any rank talks.
+
+def find_resume_checkpoint(args, checkpoint_root, script):
+    """The checkpoint folder --resume asks for (None for a fresh run)."""
+    existing = complete_checkpoints(checkpoint_root)
+    if args.resume is None:
+        if existing:
+            raise common.UsageError(f"{checkpoint_root} already holds checkpoints (newest {existing[-1].name}): pass "
+                                    f"--resume to continue, or choose another --out-dir")
+        return None
+    if args.resume == "latest":
+        if not existing:
+            raise common.UsageError(f"--resume: no complete checkpoint under {checkpoint_root}: drop --resume to start "
+                                    f"fresh, or check --out-dir")
+        checkpoint_dir = existing[-1]
+    else:
+        checkpoint_dir = Path(args.resume)
+    meta = read_meta(checkpoint_dir, "--resume")
+    if meta["script"] != script:
+        raise common.UsageError(f"--resume {checkpoint_dir} was written by {meta['script']}.py, not {script}.py: "
+                                f"resume it with {meta['script']}.py")
+    if meta["model"] != args.model:
+        raise common.UsageError(f"--resume {checkpoint_dir} holds a '{meta['model']}' model: pass --model "
+                                f"{meta['model']}")
+    newer = [p for p in existing if int(p.name[5:]) > meta["step"]]
+    if newer:  # saving on from here would collide with them
+        raise common.UsageError(f"--resume {checkpoint_dir}: {checkpoint_root} already holds newer checkpoints "
+                                f"({newer[-1].name}): move them away or use another --out-dir")
+    if meta["step"] >= args.max_steps:  # else the run would end at once, its summary all zeros
+        raise common.UsageError(f"--max-steps {args.max_steps}: --resume {checkpoint_dir} is at step {meta['step']} "
+                                f"already, nothing to train: raise --max-steps")
+    return checkpoint_dir
+
+
+ORDER_FLAGS = {"data_sha256": "--data", "val_fraction": "--val-fraction", "buckets": "--buckets",
+               "bucket_order": "--bucket-order", "seed": "--seed"}
+UNREPORTED_FLAGS = ("resume", "out_dir", "init_from")  # expected to differ on a resume, or unused by it
+
+
+def check_resume(resume_dir, args, data_order):
+    """On --resume: the data order (data.data_order) must be the checkpoint's run's, else `index` in its data position
+    would point into another order. Any other flag may change, and applies from the next step: said once, here."""
+    if resume_dir is None:
+        return
+    meta = read_meta(resume_dir, "--resume")
+    saved = meta["data_order"]
+    for key, flag in ORDER_FLAGS.items():
+        if key in data_order and saved.get(key) != data_order[key]:
+            raise common.UsageError(f"{flag} differs from the run of --resume {resume_dir} ({data_order[key]} here, "
+                                    f"{saved.get(key)} there), and the data order depends on it: resume with its "
+                                    f"{flag}")
+    # The number of ranks may change, the global batch may not.
+    if saved["samples_per_step"] != data_order["samples_per_step"]:
+        if "prompts_per_step" in data_order:
+            raise common.UsageError(f"--prompts-per-step {args.prompts_per_step} x {data_order['world_size']} ranks "
+                                    f"gives {data_order['samples_per_step'][0]} prompts per step; the run of --resume "
+                                    f"{resume_dir} took {saved['samples_per_step'][0]}: keep prompts per step x ranks "
+                                    f"as it was")
+        raise common.UsageError(f"--tokens-per-batch {args.tokens_per_batch} x --grad-accum {args.grad_accum} x "
+                                f"{data_order['world_size']} ranks gives {data_order['samples_per_step']} samples per "
+                                f"step in buckets {args.buckets}; the run of --resume {resume_dir} took "
+                                f"{saved['samples_per_step']}: keep tokens per batch x grad accum x ranks as it was")
+    before, now = meta.get("config", {}), common.flag_values(args)  # every flag of the checkpoint's run, and this one's
+    changed = [f"--{name.replace('_', '-')} {value} (was {before[name]})" for name, value in now.items()
+               if name in before and name not in UNREPORTED_FLAGS and before[name] != value]
+    if changed and int(os.environ.get("RANK", 0)) == 0:  # said once; every rank applies them alike
+        print(f"changed against the checkpoint: {', '.join(changed)}; this run's values apply from step "
+              f"{meta['step'] + 1}", flush=True)
+
+
+def find_init_checkpoint(args):
+    """--init-from: a checkpoint folder of the script this stage starts from (common.INIT_FROM), a run folder (its
+    newest one), or an export_hf.py folder (the SFT takes any; GRPO one exported from fsdp2_sft.py)."""
+    source = common.INIT_FROM[args.stage]
+    path = Path(args.init_from or f"runs/{source}")
+    checkpoint_dir = newest_checkpoint(path)
+    if checkpoint_dir is None:
+        raise common.UsageError(f"no complete {source}.py checkpoint at {path}: run `torchrun --standalone "
+                                f"--nproc_per_node=2 {source}.py` first, or pass --init-from")
+    meta = read_meta(checkpoint_dir, "--init-from")
+    if meta["script"] != source and not (meta.get("hf") and args.stage == "sft"):  # an exported folder: a plain model
+        why = " (its model never learned the chat format and its markers)" if args.stage == "grpo" else ""
+        raise common.UsageError(f"--init-from {checkpoint_dir} was written by {meta['script']}.py{why}: this stage "
+                                f"starts from a {source}.py checkpoint")
+    if meta["model"] != args.model:
+        raise common.UsageError(f"--init-from {checkpoint_dir} holds a '{meta['model']}' model: pass --model "
+                                f"{meta['model']}")
+    return checkpoint_dir
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading any checkpoint, or an exported Hugging Face folder, into one plain model.
+
+def is_hf_folder(path):
+    """A Hugging Face model folder, as export_hf.py writes: config.json beside model.safetensors."""
+    return (Path(path) / "config.json").is_file() and (Path(path) / "model.safetensors").is_file()
+
+
+def hf_preset(path):
+    """The preset whose shape an exported folder's config.json has, or a usage error."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    for name, preset in common.MODEL_PRESETS.items():
+        shape = {key: config.get(key) for key in preset["model"]}
+        if config.get("vocab_size") == common.VOCAB_SIZE and shape == preset["model"]:
+            return name
+    raise common.UsageError(f"{path} holds a model of no preset's shape ({', '.join(common.MODEL_PRESETS)}): export "
+                            f"one of these scripts' checkpoints")
+
+
+def hf_state_dict(path):
+    """Whole tensors of an exported folder, named as in the model; the tied head is stored once, so it is added back.
+    The Llama form's o_proj biases (export_hf.py) are zeros that our Qwen2 layers do not have: dropped, if zero."""
+    from safetensors.torch import load_file
+
+    state = load_file(Path(path) / "model.safetensors")
+    state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
+    for name in [name for name in state if name.endswith("o_proj.bias")]:
+        if state.pop(name).any():
+            raise common.UsageError(f"{path}: {name} is not zero, so a Qwen2 model cannot hold these weights: load it "
+                                    f"with transformers instead")
+    return state
+
+
+def resolve_checkpoint(path):
+    """A checkpoint folder (step_<N>), or a run's --out-dir meaning its newest complete checkpoint."""
+    checkpoint_dir = newest_checkpoint(path)
+    if checkpoint_dir is None:
+        raise common.UsageError(f"{path} is neither a checkpoint folder (step_N with meta.json) nor a run folder "
+                                f"holding one")
+    return checkpoint_dir
+
+
+def load_checkpoint_model(checkpoint_dir, device="cpu"):
+    """A plain, unsharded model with the weights of a checkpoint of any script (or an exported folder), in one
+    process and with no process group: DCP reads sharded checkpoints into whole tensors by itself.
+
+        ddp_pretrain     checkpoint.pt["model"]            (torch.save by rank 0)
+        fsdp1_pretrain   the app state's "model" entry     (DCP, one Stateful app state)
+        fsdp2_*          model/                            (DCP, model saved apart from the optimizer)
+    """
+    import torch.distributed.checkpoint as dcp
+
+    meta = read_meta(checkpoint_dir, "checkpoint")
+    model = modeling.build_model(meta["model"]).eval()
+    state = model.state_dict()
+    try:
+        if meta.get("hf"):
+            state = hf_state_dict(checkpoint_dir)
+        elif meta["script"] == "ddp_pretrain":
+            state = torch.load(Path(checkpoint_dir) / "checkpoint.pt", map_location="cpu", weights_only=True)["model"]
+        elif meta["script"] == "fsdp1_pretrain":
+            dcp.load({"app": {"model": state}}, checkpoint_id=checkpoint_dir)  # reads only the model's entries
+        else:
+            dcp.load(state, checkpoint_id=Path(checkpoint_dir) / "model")
+        model.load_state_dict(state)
+    except Exception as exc:  # a truncated or foreign file: say which checkpoint, in one line
+        raise common.UsageError(f"checkpoint {checkpoint_dir} cannot be read ({common.error_reason(exc)}): it is "
+                                f"damaged or not of these scripts") from None
+    return model.to(device), meta

@@ -1,0 +1,89 @@
+"""What every script measures and logs: MFU against the device's peak, peak memory per step, the metrics file, and
+the stop on a non-finite loss."""
+import json
+import math
+import os
+import resource
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+import common
+
+# Dense bf16 peak FLOP/s per device (vendor datasheets, no sparsity). MFU is reported against these;
+# it is null where the device is not listed (CPUs among them).
+PEAK_BF16_FLOPS = {
+    "H200": 989e12, "H100": 989e12, "H800": 989e12, "GH200": 989e12,
+    "A100": 312e12, "A800": 312e12, "A10G": 70e12, "L40S": 362e12, "L4": 121e12, "RTX 4090": 165e12,
+    "B200": 2250e12, "MI300X": 1307e12,
+}
+
+
+def device_peak_flops(device):
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+def reset_peak_memory(device):
+    """Start a new peak for peak_memory_gb: each step's row then shows that step's (and so its bucket's) peak."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    elif os.path.exists("/proc/self/clear_refs"):
+        try:
+            with open("/proc/self/clear_refs", "w") as clear_refs:
+                clear_refs.write("5")  # Linux: the peak resident set size (VmHWM) restarts from the current one
+        except OSError:  # a sandbox may forbid it (warned once per process)
+            warnings.warn("cannot reset the peak resident set size (/proc/self/clear_refs): "
+                          "peak_mem_gb is the peak of the run so far")
+
+
+def peak_memory_gb(device):
+    """Peak memory since the last reset: CUDA allocator peak, or on CPU the process's peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    if os.path.exists("/proc/self/status"):  # Linux: VmHWM honours the reset above, getrusage's ru_maxrss does not
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) * 1024 / 1e9  # KiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e9  # elsewhere (macOS): bytes, peak of the whole run
+
+
+def peak_reserved_memory_gb(device):
+    """Peak memory the CUDA allocator held since the last reset: peak_memory_gb plus its cache and fragmentation,
+    what runs out first and what expandable_segments lowers. None on CPU, where peak_memory_gb counts what is held."""
+    return torch.cuda.max_memory_reserved(device) / 1e9 if device.type == "cuda" else None
+
+
+def open_metrics(path, resumed_step=None):
+    """metrics.jsonl, opened for appending rows. On resume, rows after the checkpoint's step (written by the
+    run that crashed after it, and about to be trained again) are dropped first, so every step appears once."""
+    path = Path(path)
+    if resumed_step is None or not path.exists():
+        return open(path, "w")
+
+    def kept(line):
+        try:
+            return json.loads(line)["step"] <= resumed_step
+        except (ValueError, KeyError, TypeError):
+            return False  # a row the crash cut short
+
+    path.write_text("".join(line for line in path.read_text().splitlines(keepends=True) if kept(line)))
+    return open(path, "a")
+
+
+def stop_if_nonfinite(step, loss, grad_norm):
+    """Called before the optimizer step with the global loss and gradient norm, which every rank holds alike:
+    on inf or NaN all ranks stop together here, so the weights, and any later checkpoint, never see it."""
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        return
+    import torch.distributed as dist
+
+    dist.barrier()  # leave the way a finished run does: no rank tears gloo down under another
+    dist.destroy_process_group()
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(file=sys.__stderr__)  # end the progress bar's line
+    raise common.UsageError(f"step {step}: the loss is {loss} and the gradient norm {grad_norm}; stopped before the "
+                            f"update, no checkpoint was written: lower --lr or raise --warmup-steps")

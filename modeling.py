@@ -1,0 +1,167 @@
+"""The model: a Qwen2 from transformers (the model class only) with the GPT-2 vocabulary, activation checkpointing on
+every decoder layer, a loss that never holds a whole batch's logits, and generation with it."""
+import functools
+
+import torch
+
+from common import END_OF_TURN, EOT_ID, IGNORE_INDEX, MODEL_PRESETS, SPECIAL_TOKENS, VOCAB_SIZE
+
+
+def build_model(preset, activation_checkpointing="full"):
+    """A Qwen2 model (model class only) with the GPT-2 vocabulary and activation checkpointing on, "full" or
+    "selective" (see SELECTIVE_CHECKPOINT_SAVES).
+
+    Init: transformers' own Qwen2 init, normal(0, 0.02) for every matrix and zero biases, the scheme the
+    released Qwen2 models use. With tied embeddings of that size the first logits are near zero, so
+    the first loss sits at ln(50,304) = 10.83: a free sanity check of the whole pipeline.
+    """
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=VOCAB_SIZE, **MODEL_PRESETS[preset]["model"],
+        max_position_embeddings=32_768, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.02,
+        bos_token_id=EOT_ID, eos_token_id=EOT_ID, pad_token_id=EOT_ID, use_cache=False,
+        attn_implementation="sdpa",
+    )
+    model = Qwen2ForCausalLM(config)
+    # Recompute each decoder layer in backward instead of storing its activations (non-reentrant).
+    checkpoint_kwargs = {"use_reentrant": False}
+    if activation_checkpointing == "selective":  # torch's selective checkpointing: a policy per op
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        checkpoint_kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts,
+                                                            selective_checkpoint_policy)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs)
+    # transformers also hooks the embedding to make its output require grad, even under no_grad: only reentrant
+    # checkpointing needs that, and under --compile it would cost every bucket a third graph (evaluation, first layer).
+    model.disable_input_require_grads()
+    hf_forward = model.forward
+
+    def forward(input_ids=None, targets=None, weights=None, **kwargs):
+        """model(input_ids=..., targets=...) returns the summed loss over the targets, from logits made
+        a chunk at a time (weighted, if weights are given); without targets it is transformers' own forward
+        (logits; generate() uses it). Set on the model itself so that FSDP's and DDP's hooks around model(...)
+        run as usual."""
+        if targets is None:
+            return hf_forward(input_ids=input_ids, **kwargs)
+        hidden = model.model(input_ids=input_ids).last_hidden_state
+        return chunked_cross_entropy(hidden, model.lm_head.weight, targets, weights)
+
+    model.forward = forward
+    return model
+
+
+# Selective checkpointing keeps the outputs of these ops (the matmuls and attention: nearly all of a layer's
+# FLOPs) and recomputes everything else (norms, rotary, SiLU, residual adds: cheap, but many activations).
+SELECTIVE_CHECKPOINT_SAVES = {
+    torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def selective_checkpoint_policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_CHECKPOINT_SAVES else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# Rows of logits per chunk. CPU: 128 x 50,304 fp32 logits are 26 MB, under glibc's 32 MB mmap threshold, so
+# the same memory is reused instead of being page-faulted in afresh every step. GPU: big matmuls.
+LOSS_CHUNK_ROWS = {"cpu": 128, "cuda": 4096}
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy of hidden @ weight.T, one chunk of rows at a time. Each chunk's gradients are
+    computed right away (softmax minus one-hot, two matmuls), so no chunk's logits outlive it and the
+    backward has nothing left to do but scale: the same FLOPs as the plain loss, a fraction of its memory."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, row_weights=None):
+        needs_grad = any(ctx.needs_input_grad[:2])
+        loss = torch.zeros((), device=hidden.device, dtype=torch.float32)
+        grad_hidden = torch.empty_like(hidden) if needs_grad else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if needs_grad else None
+        rows = LOSS_CHUNK_ROWS.get(hidden.device.type, 4096)
+        for start in range(0, len(hidden), rows):
+            chunk, chunk_targets = hidden[start:start + rows], targets[start:start + rows]
+            logits = (chunk @ weight.T).float()  # in the compute dtype (bf16 under mixed precision), then fp32
+            log_normalizer = logits.logsumexp(dim=-1)
+            token_losses = log_normalizer - logits.gather(1, chunk_targets[:, None]).squeeze(1)
+            loss += (token_losses if row_weights is None else token_losses * row_weights[start:start + rows]).sum()
+            if needs_grad:
+                grad_logits = logits.sub_(log_normalizer[:, None]).exp_()  # softmax, in place
+                grad_logits[torch.arange(len(chunk)), chunk_targets] -= 1
+                if row_weights is not None:  # GRPO: each position's loss weighs its advantage
+                    grad_logits *= row_weights[start:start + rows, None]
+                grad_logits = grad_logits.to(chunk.dtype)
+                grad_hidden[start:start + rows] = grad_logits @ weight
+                grad_weight += grad_logits.T @ chunk
+        if needs_grad:
+            ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None
+
+
+def chunked_cross_entropy(hidden, weight, targets, weights=None):
+    """Sum of -log p(target) over the positions whose target is not IGNORE_INDEX, each times its weight if weights
+    (broadcastable to targets) are given. Logits are made only at those positions (padding, and prompts in SFT,
+    cost nothing in the head) and a chunk at a time. Always eager: --compile compiles the decoder layers only, and
+    this has data-dependent shapes (which positions are targets)."""
+    is_target = targets != IGNORE_INDEX
+    row_weights = None if weights is None else torch.broadcast_to(weights, targets.shape)[is_target].float()
+    return ChunkedCrossEntropy.apply(hidden[is_target], weight, targets[is_target], row_weights)
+
+
+
+def count_parameters(model):
+    return sum(p.numel() for p in model.parameters())  # tied embeddings are one Parameter, counted once
+
+
+def flops_per_token(n_params, config, seq_len):
+    """Model FLOPs per trained token: 6N for the matmuls with all parameters (the tied lm_head included)
+    plus 12*L*H*Q*T for attention scores (PaLM, appendix B). Activation-checkpoint recompute is not
+    counted: MFU counts the model's FLOPs, not the ones we chose to redo."""
+    head_dim = config.hidden_size // config.num_attention_heads
+    return 6 * n_params + 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_len
+
+
+def local_state_sizes(model, optimizer):
+    """Elements of parameters and of optimizer state this rank really stores (a DTensor counts its shard)."""
+    from torch.distributed.tensor import DTensor
+
+    def local(tensor):
+        return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+    param_elements = sum(local(p).numel() for p in model.parameters())
+    optimizer_elements = sum(local(v).numel() for state in optimizer.state.values() for v in state.values()
+                             if torch.is_tensor(v) and v.dim() > 0)  # AdamW's moments, not its step counters
+    return param_elements, optimizer_elements
+
+
+def generate_replies(model, prompts, max_new_tokens, temperature=0.0, top_k=None, synced=False):
+    """Continue every prompt (a list of token lists) with transformers' own generate, batched with left
+    padding; stops at <|end_of_turn|>. synced=True keeps every rank stepping until all are done, as sharded
+    models need (each forward is collective). Returns the new tokens of each prompt."""
+    if not prompts:
+        prompts, drop = [[EOT_ID]], True  # a rank with no prompt still has to join the collective forwards
+    else:
+        drop = False
+    width = max(len(p) for p in prompts)
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([[EOT_ID] * (width - len(p)) + list(p) for p in prompts], device=device)
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    sampling = dict(do_sample=True, temperature=temperature, top_k=top_k) if temperature > 0 else dict(do_sample=False)
+    with torch.compiler.set_stance("force_eager"):  # under --compile, every generated length would be a new graph
+        output = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                                eos_token_id=[SPECIAL_TOKENS[END_OF_TURN], EOT_ID], pad_token_id=EOT_ID,
+                                use_cache=True, synced_gpus=synced, **sampling)
+    replies = [row[width:].tolist() for row in output]
+    return [] if drop else replies

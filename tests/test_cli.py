@@ -1,0 +1,131 @@
+"""What a user sees before and as a run starts: --help with each flag's effective default, one error line for a flag
+out of its range or not honoured, --max-tokens, the start block and config.json, the progress bar."""
+import ast
+import json
+import re
+
+import pytest
+
+import common
+from helpers import REPO, check, run_script
+
+STAGES = {"ddp_pretrain.py": "train", "fsdp1_pretrain.py": "train", "fsdp2_pretrain.py": "train", "fsdp2_sft.py": "sft",
+          "fsdp2_grpo.py": "grpo"}
+
+
+def help_text(script):
+    """The script's --help, as its own parser prints it (the parser is built from the script's docstring)."""
+    docstring = ast.get_docstring(ast.parse((REPO / script).read_text()), clean=False)
+    return common.get_parser(docstring, f"runs/{script[:-3]}", STAGES[script]).format_help()
+
+
+def flag_blocks(text):
+    """{flag: its help text, wrapped lines joined} from argparse's output."""
+    blocks, flag = {}, None
+    for line in text.split("options:", 1)[1].splitlines():
+        if line.startswith("  -"):
+            flag = line.split()[0].rstrip(",")
+            blocks[flag] = line
+        elif flag:
+            blocks[flag] += " " + line.strip()
+    return {flag: " ".join(block.split()) for flag, block in blocks.items() if flag != "-h"}
+
+
+@pytest.mark.parametrize("script", STAGES)
+def test_help_shows_every_flags_default_and_keeps_the_commands_lines(script):
+    text = help_text(script)
+    blocks = flag_blocks(text)
+    assert len(blocks) >= 28
+    for flag, block in blocks.items():
+        assert "default" in block, f"{script} {flag}: {block}"
+        assert "default: None" not in block, f"{script} {flag}: {block}"
+    # A flag the preset fills says what each preset gives it.
+    max_steps = {"train": "tiny: 20, small: 120, qwen2-0.5b: 5000", "sft": "tiny: 20, small: 2000, qwen2-0.5b: 2000",
+                 "grpo": "tiny: 20, small: 130, qwen2-0.5b: 500"}[STAGES[script]]
+    assert f"(default by --model: {max_steps})" in blocks["--max-steps"]
+    assert "small: 32,48,64,96,128,192,256" in blocks["--buckets"] or STAGES[script] != "train"
+    assert "{tiny,small,qwen2-0.5b}" in blocks["--model"]
+    # the docstring's command, on its own line
+    assert f"\n    torchrun --standalone --nproc_per_node=2 {script}" in text
+
+
+def test_grpo_accepts_no_flag_it_does_not_honour(capsys):
+    text = help_text("fsdp2_grpo.py")
+    assert "--grad-accum" not in text and "--bucket-order" not in text
+    for flag in (["--grad-accum", "2"], ["--bucket-order", "ascending"]):
+        with pytest.raises(SystemExit) as exit:
+            common.get_parser("", "runs/x", "grpo").parse_args(flag)
+        assert exit.value.code == 2
+        assert capsys.readouterr().err == f"error: unrecognized arguments: {' '.join(flag)}\n"
+
+
+@pytest.mark.parametrize("stage,flags,words", [
+    ("train", ["--grad-accum", "0"], "argument --grad-accum: must be at least 1, got 0"),
+    ("train", ["--val-fraction", "1.5"], "argument --val-fraction: must be below 1, got 1.5"),
+    ("train", ["--val-fraction", "0"], "argument --val-fraction: must be above 0, got 0"),
+    ("train", ["--lr", "-0.1"], "argument --lr: must be at least 0, got -0.1"),
+    ("train", ["--lr", "nan"], "argument --lr: must be a finite number, got nan"),
+    ("train", ["--min-lr-ratio", "2"], "argument --min-lr-ratio: must be at most 1, got 2"),
+    ("train", ["--seed", "-1"], "argument --seed: must be at least 0, got -1"),
+    ("train", ["--max-tokens", "0"], "argument --max-tokens: must be at least 1, got 0"),
+    ("train", ["--buckets", "1,64"], "argument --buckets: every bucket must hold at least 2 tokens"),
+    ("sft", ["--eval-generate", "-5"], "argument --eval-generate: must be at least 0, got -5"),
+    ("grpo", ["--group-size", "0"], "argument --group-size: must be at least 1, got 0"),
+])
+def test_a_flag_out_of_its_range_is_one_line_naming_it(stage, flags, words, capsys):
+    with pytest.raises(SystemExit) as exit:
+        common.get_parser("", "runs/x", stage).parse_args(flags)
+    assert exit.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"error: {words}") and error.count("\n") == 1, error
+
+
+def test_max_tokens_sets_the_steps_from_the_tokens_per_step():
+    def finalize(stage, *flags, world_size=2):
+        return common.finalize_args(common.get_parser("", "runs/x", stage).parse_args(["--model", "tiny", *flags]),
+                                    world_size)
+
+    # tiny: 512 tokens per batch; 2 ranks x 2 micro-batches = 2,048 tokens per step; 10,000 tokens -> 5 steps.
+    assert finalize("train", "--max-tokens", "10000", "--grad-accum", "2").max_steps == 5
+    assert finalize("train", "--max-tokens", "10240", "--grad-accum", "2").max_steps == 5  # exactly 5 steps' worth
+    # GRPO: 1 prompt x 8 replies per rank, batches of 512 // 72 = 7 rollouts: 2 micro-batches x 7 x 72 x 2 ranks.
+    args = finalize("grpo", "--max-tokens", "4032")
+    assert common.tokens_per_step(args, 2) == 2 * 7 * 72 * 2 == 2016 and args.max_steps == 2
+    with pytest.raises(common.UsageError, match="--max-tokens 1000 and --max-steps 5 both set the run's length"):
+        finalize("train", "--max-tokens", "1000", "--max-steps", "5")
+
+
+def test_generate_refuses_a_negative_temperature_in_one_line(tmp_path):
+    result = run_script("generate.py", tmp_path, "--prompt", "Hi", "--temperature", "-1", torchrun=False)
+    assert result.returncode == 2 and result.stderr == "error: argument --temperature: must be at least 0, got -1\n"
+
+
+def test_a_run_prints_its_configuration_once_and_writes_config_json(tiny_run):
+    out, result = tiny_run("ddp_pretrain.py")
+    config = json.loads((out / "config.json").read_text())
+    n_params = 3_342_912  # the tiny preset
+    assert config["script"] == "ddp_pretrain" and config["world_size"] == 2 and config["parameters"] == n_params
+    assert config["device"] == "cpu" and config["dtype"] == "float32"
+    assert config["tokens_per_step"] == 512 * 2 and config["total_tokens"] == 20 * 1024  # 2 ranks, 20 steps
+    assert config["training_flops"] == 6 * n_params * 20 * 1024
+    assert config["flags"]["max_steps"] == 20 and config["flags"]["buckets"] == [32, 48, 64, 96, 128]
+    assert config["flags"]["out_dir"] == str(out) and "stage" not in config["flags"]
+    assert result.stdout.count("tokens per step") == 1  # rank 0 alone
+    assert "1,024 tokens per step x 20 steps = 20,480 tokens" in result.stdout
+    for name, value in config["flags"].items():  # every flag in the block
+        shown = ",".join(map(str, value)) if isinstance(value, list) else value
+        assert f"--{name.replace('_', '-')} {shown}" in result.stdout, name
+
+
+def test_the_progress_bar_shows_loss_speed_and_peak_memory(tiny_run):
+    _, result = tiny_run("ddp_pretrain.py")
+    # CPUs have no known peak FLOP/s, so no MFU there; on a listed GPU "mfu=" comes before "mem=".
+    assert re.search(r"loss=\d+\.\d{3}, tok/s=[\d,]+, mem=\d+\.\d\dGB, bucket=\d+", result.stderr), \
+        result.stderr[-2000:]
+
+
+def test_prepare_data_help_keeps_its_commands_lines():
+    result = check(run_script("prepare_data.py", "--help", torchrun=False))
+    # the docstring kept its lines
+    assert "\n    python prepare_data.py --data HuggingFaceFW/fineweb-edu" in result.stdout
+    assert "--workers" in result.stdout and "(default:" in result.stdout

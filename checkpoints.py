@@ -90,6 +90,15 @@ def read_meta(checkpoint_dir, flag):
 # ----------------------------------------------------------------------------------------------
 # --resume and --init-from: found and checked before any rank talks.
 
+# Scripts whose checkpoints are one format (DCP; model and optimizer saved apart, keyed by the model's own names; the
+# same data order): each resumes, or starts from, the other's, and DCP reshards it to its own mesh.
+SAME_FORMAT = [{"fsdp2_pretrain", "fsdp2_tp_pretrain", "pp_pretrain"}]
+
+
+def same_format(script, other):
+    return script == other or any({script, other} <= scripts for scripts in SAME_FORMAT)
+
+
 def find_resume_checkpoint(args, checkpoint_root, script):
     """The checkpoint folder --resume asks for (None for a fresh run)."""
     existing = complete_checkpoints(checkpoint_root)
@@ -106,7 +115,7 @@ def find_resume_checkpoint(args, checkpoint_root, script):
     else:
         checkpoint_dir = Path(args.resume)
     meta = read_meta(checkpoint_dir, "--resume")
-    if meta["script"] != script:
+    if not same_format(meta["script"], script):
         raise common.UsageError(f"--resume {checkpoint_dir} was written by {meta['script']}.py, not {script}.py: "
                                 f"resume it with {meta['script']}.py")
     if meta["model"] != args.model:
@@ -168,7 +177,7 @@ def find_init_checkpoint(args):
         raise common.UsageError(f"no complete {source}.py checkpoint at {path}: run `torchrun --standalone "
                                 f"--nproc_per_node=2 {source}.py` first, or pass --init-from")
     meta = read_meta(checkpoint_dir, "--init-from")
-    if meta["script"] != source and not (meta.get("hf") and args.stage == "sft"):  # an exported folder: a plain model
+    if not same_format(meta["script"], source) and not (meta.get("hf") and args.stage == "sft"):  # export: a model
         why = " (its model never learned the chat format and its markers)" if args.stage == "grpo" else ""
         raise common.UsageError(f"--init-from {checkpoint_dir} was written by {meta['script']}.py{why}: this stage "
                                 f"starts from a {source}.py checkpoint")

@@ -5,6 +5,7 @@ strategy-specific (wrapping, checkpoint save and load, clipping, no-sync) is wri
 `diff` between them is the lesson.
 """
 import argparse
+import functools
 import json
 import math
 import operator
@@ -129,6 +130,15 @@ def number(kind, at_least=None, above=None, at_most=None, below=None):
 COUNT, NON_NEGATIVE_INT, NON_NEGATIVE = number(int, at_least=1), number(int, at_least=0), number(float, at_least=0)
 
 
+def boolean(text):
+    """An argparse type for a switch that takes a value: true or false (also yes/no, 1/0)."""
+    if text.lower() in ("true", "yes", "1"):
+        return True
+    if text.lower() in ("false", "no", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"must be true or false, got {text}")
+
+
 def bucket_lengths(text):
     """--buckets: comma-separated lengths, at least 2 tokens each (one input, one target), sorted."""
     try:
@@ -242,8 +252,9 @@ def get_parser(description, default_out_dir, stage="train"):
     return parser
 
 
-def finalize_args(args, world_size=1):
-    """Fill the preset's defaults and check what no single flag's type can, before anything heavy (or collective)."""
+def finalize_args(args, data_ranks=1):
+    """Fill the preset's defaults and check what no single flag's type can, before anything heavy (or collective).
+    data_ranks: the ranks that read different samples (the world size, less what tensor parallelism shares)."""
     if args.max_tokens is not None and args.max_steps is not None:
         raise UsageError(f"--max-tokens {args.max_tokens} and --max-steps {args.max_steps} both set the run's length: "
                          f"pass one of them")
@@ -254,20 +265,20 @@ def finalize_args(args, world_size=1):
         raise UsageError(f"--tokens-per-batch {args.tokens_per_batch} is smaller than the largest bucket "
                          f"({args.buckets[-1]}): raise --tokens-per-batch or lower --buckets")
     if args.max_tokens is not None:
-        args.max_steps = -(-args.max_tokens // tokens_per_step(args, world_size))
+        args.max_steps = -(-args.max_tokens // tokens_per_step(args, data_ranks))
     if Path(args.out_dir).exists() and not Path(args.out_dir).is_dir():
         raise UsageError(f"--out-dir {args.out_dir} is a file: choose a folder")
     return args
 
 
-def tokens_per_step(args, world_size):
-    """Positions one optimizer step computes over all ranks, padding included: tokens per batch x micro-batches x ranks
-    (GRPO: its rollouts, each padded to the largest bucket, in batches of that bucket)."""
+def tokens_per_step(args, data_ranks):
+    """Positions one optimizer step computes, padding included: tokens per batch x micro-batches x the ranks that read
+    different samples (GRPO: its rollouts, each padded to the largest bucket, in batches of that bucket)."""
     if args.stage == "grpo":
         batch_size = args.tokens_per_batch // args.buckets[-1]
         micro_batches = -(-args.prompts_per_step * args.group_size // batch_size)
-        return micro_batches * batch_size * args.buckets[-1] * world_size
-    return args.tokens_per_batch * args.grad_accum * world_size
+        return micro_batches * batch_size * args.buckets[-1] * data_ranks
+    return args.tokens_per_batch * args.grad_accum * data_ranks
 
 
 def flag_values(args):
@@ -275,9 +286,10 @@ def flag_values(args):
     return json.loads(json.dumps({name: value for name, value in vars(args).items() if name != "stage"}))
 
 
-def write_config(args, script, world_size, device, dtype, n_params):
-    """Rank 0, at the start: the resolved configuration, printed as one block and written to <out-dir>/config.json."""
-    step_tokens = tokens_per_step(args, world_size)
+def write_config(args, script, world_size, device, dtype, n_params, data_ranks=None):
+    """Rank 0, at the start: the resolved configuration, printed as one block and written to <out-dir>/config.json.
+    data_ranks: the ranks that read different samples (default: all of them)."""
+    step_tokens = tokens_per_step(args, data_ranks or world_size)
     total_tokens = step_tokens * args.max_steps
     config = {"script": script, "world_size": world_size, "device": str(device),
               "dtype": str(dtype).removeprefix("torch."), "parameters": n_params, "tokens_per_step": step_tokens,
@@ -311,6 +323,7 @@ SPECIAL_TOKENS = {marker: EOT_ID + 1 + i
 BUILTIN_SYSTEM_PROMPT = "Reason step by step."
 
 
+@functools.cache  # an encoding is immutable; building one parses 50,000 merges (most of a second)
 def get_tokenizer():
     """The GPT-2 encoding, identical to tiktoken.get_encoding("gpt2").
 
@@ -334,6 +347,7 @@ def get_tokenizer():
                              special_tokens={"<|endoftext|>": EOT_ID}, explicit_n_vocab=EOT_ID + 1)
 
 
+@functools.cache
 def get_chat_tokenizer():
     """GPT-2 BPE plus the SFT markers as special tokens (tiktoken's documented way to extend an encoding)."""
     import tiktoken

@@ -29,7 +29,8 @@ SCRIPT = Path(__file__).stem  # names the run folder and is recorded in every ch
 # ---------------------------------------------------------------------------------------------- setup
 rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 local_rank = int(os.environ.get("LOCAL_RANK", 0))
-args = common.finalize_args(common.get_parser(__doc__, f"runs/{SCRIPT}").parse_args(), world_size)
+parser = common.get_parser(__doc__, f"runs/{SCRIPT}")
+args = common.finalize_args(parser.parse_args(), world_size)
 device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
 dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
 checkpoint_root = Path(args.out_dir) / "checkpoints"

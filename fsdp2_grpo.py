@@ -38,7 +38,10 @@ SCRIPT = Path(__file__).stem  # names the run folder and is recorded in every ch
 # ---------------------------------------------------------------------------------------------- setup
 rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 local_rank = int(os.environ.get("LOCAL_RANK", 0))
-args = common.finalize_args(common.get_parser(__doc__, f"runs/{SCRIPT}", stage="grpo").parse_args(), world_size)
+parser = common.get_parser(__doc__, f"runs/{SCRIPT}", stage="grpo")
+parser.add_argument("--reshard-after-forward", type=common.boolean, default=True, help="true: a layer's gathered "
+                    "parameters are freed after forward, gathered again in backward (ZeRO-3); false: kept (ZeRO-2)")
+args = common.finalize_args(parser.parse_args(), world_size)
 device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
 dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
 checkpoint_root = Path(args.out_dir) / "checkpoints"
@@ -81,7 +84,7 @@ if args.compile:
 # bf16: compute on bf16 copies of the gathered parameters; reduce gradients and keep the shards in fp32.
 mixed_precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 for layer in model.model.layers:  # one unit per decoder layer: only one layer is ever gathered at a time
-    fully_shard(layer, mp_policy=mixed_precision)
+    fully_shard(layer, mp_policy=mixed_precision, reshard_after_forward=args.reshard_after_forward)
 fully_shard(model, mp_policy=mixed_precision)  # the root: embedding, tied head, final norm; default mesh: all ranks
 
 # ---------------------------------------------------------------------------------------------- init from the SFT
@@ -232,7 +235,7 @@ while step < args.max_steps:
     with torch.no_grad():  # synced: all ranks step until all are done, as the gathers at the first token are collective
         max_new_tokens = bucket_len - max(map(len, prompts))
         replies = modeling.generate_replies(model, prompts, max_new_tokens, temperature=1.0, top_k=0, synced=True)
-    model.set_reshard_after_forward(True)
+    model.set_reshard_after_forward(args.reshard_after_forward)
     for module in [*model.model.layers, model]:
         module.reshard()  # back to shards for training: the gathered copies are freed
     model.train()

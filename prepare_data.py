@@ -18,7 +18,6 @@ corpus. Given any other --data (builtin, files, a hub name), they prepare it the
 per machine. Sources: 'builtin', local .txt (a document per file), .jsonl/.json (a document per row), .parquet
 (read a record batch at a time), a folder of one of these kinds, or a Hugging Face hub dataset (streamed).
 """
-import functools
 import hashlib
 import itertools
 import json
@@ -263,14 +262,9 @@ def sft_conversations(args):
 # ----------------------------------------------------------------------------------------------
 # Tokenizing: in worker processes, a batch at a time; results come back in order.
 
-@functools.cache
-def encoding(name):
-    return common.get_tokenizer() if name == "gpt2" else common.get_chat_tokenizer()
-
-
 def encode_documents(texts):
     """Token ids of a batch of documents, each followed by <|endoftext|>, and each one's length."""
-    ids = encoding("gpt2").encode_ordinary_batch(texts, num_threads=1)  # the pool is the parallelism
+    ids = common.get_tokenizer().encode_ordinary_batch(texts, num_threads=1)  # the pool is the parallelism
     lengths = np.fromiter((len(doc) + 1 for doc in ids), dtype=np.int64, count=len(ids))
     tokens = np.fromiter(itertools.chain.from_iterable(itertools.chain(doc, (common.EOT_ID,)) for doc in ids),
                          dtype=np.int64, count=int(lengths.sum()))
@@ -279,7 +273,7 @@ def encode_documents(texts):
 
 def encode_conversations(conversations):
     """Token ids, loss mask (1: a target) and length of each conversation, in the SFT chat format."""
-    encoded = [common.encode_conversation(encoding("gpt2-chat"), messages) for messages in conversations]
+    encoded = [common.encode_conversation(common.get_chat_tokenizer(), messages) for messages in conversations]
     lengths = np.array([len(tokens) for tokens, _ in encoded], dtype=np.int64)
     tokens = np.fromiter(itertools.chain.from_iterable(tokens for tokens, _ in encoded), dtype=np.int64,
                          count=int(lengths.sum()))
@@ -354,9 +348,9 @@ def prepare(args, kind, out_dir, workers, progress=True):
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir()
     if kind == "pretrain":
-        batches, encode = pretraining_texts(args), encode_documents
+        batches, encode, tokenizer = pretraining_texts(args), encode_documents, common.get_tokenizer()
     else:
-        batches, encode = sft_conversations(args), encode_conversations
+        batches, encode, tokenizer = sft_conversations(args), encode_conversations, common.get_chat_tokenizer()
     names = ["tokens.bin"] + (["loss_mask.bin"] if kind == "sft" else [])
     digests, lengths = {name: hashlib.sha256() for name in names}, []
     try:
@@ -381,7 +375,7 @@ def prepare(args, kind, out_dir, workers, progress=True):
         files = {name: {"bytes": (partial / name).stat().st_size, "sha256": digest.hexdigest()}
                  for name, digest in digests.items()}
         meta = {"format": PREPARED_FORMAT, "version": PREPARED_VERSION, "kind": kind,
-                "tokenizer": tokenizer_identity(encoding("gpt2" if kind == "pretrain" else "gpt2-chat")),
+                "tokenizer": tokenizer_identity(tokenizer),
                 "source": source_identity(args, kind), "documents": len(offsets) - 1, "tokens": int(offsets[-1]),
                 "files": files,  # names the data in checkpoints, through this hash of the files' hashes:
                 "content_sha256": hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()}

@@ -8,9 +8,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common.py
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # helpers.py
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no test reaches the network; transformers reads this on import
 
-from helpers import SFT_DATA, TINY_RUN, check, run_script, write_tiny_corpus  # noqa: E402
+from helpers import EXTRA_FLAGS, SFT_DATA, TINY_RUN, check, run_script, write_tiny_corpus  # noqa: E402
 
 write_tiny_corpus()  # before any test reads TINY_RUN's --data
+
+
+# tests/tp_probe.py records the first layer's shards and collectives; tests/pp_probe.py the tied weight's copies.
+PROBES = {"fsdp2_tp_pretrain.py": ("tests/tp_probe.py", "TP_PROBE"),
+          "pp_pretrain.py": ("tests/pp_probe.py", "PP_PROBE")}
+
+
+@pytest.fixture(scope="session")
+def ddp_one_process(tmp_path_factory):
+    """DDP on one process with --grad-accum 2, the tiny run's samples: what tensor parallelism (dp 1) and pipeline
+    parallelism (one pipeline) must equal. Returns its out_dir."""
+    out = tmp_path_factory.mktemp("ddp_one_process") / "run"
+    check(run_script("ddp_pretrain.py", *TINY_RUN, "--grad-accum", 2, "--out-dir", out))
+    return out
 
 
 @pytest.fixture(scope="session")
@@ -25,7 +39,13 @@ def tiny_run(tmp_path_factory):
             # The SFT starts from the FSDP2 pretraining run's newest checkpoint, GRPO from the SFT's.
             source = {"fsdp2_sft.py": "fsdp2_pretrain.py", "fsdp2_grpo.py": "fsdp2_sft.py"}.get(script)
             init = ["--init-from", get(source)[0], "--eval-generate", 8, *SFT_DATA] if source else []
-            runs[script] = (out, check(run_script(script, *TINY_RUN, *init, "--out-dir", out, nproc=2)))
+            flags = [*TINY_RUN, *EXTRA_FLAGS.get(script, []), *init, "--out-dir", out]
+            if script in PROBES:  # through a probe that records what it sees inside the run, into probe.json
+                probe, variable = PROBES[script]
+                result = run_script(probe, script, *flags, nproc=2, env={variable: str(out.parent / "probe.json")})
+            else:
+                result = run_script(script, *flags, nproc=2)
+            runs[script] = (out, check(result))
         return runs[script]
 
     return get

@@ -17,6 +17,9 @@ TINY_RUN = ["--model", "tiny", "--data", TINY_CORPUS, "--cache-dir", TINY_CORPUS
             "--save-every", 10, "--eval-every", 10, "--dtype", "fp32", "--val-fraction", 0.002]
 
 SFT_DATA = ["--data", "builtin"]  # after TINY_RUN's flags: the SFT trains on the built-in reasoning set
+# The shared run's own flags, after TINY_RUN's: two micro-batches, so that tensor parallelism (dp 1) and a pipeline of
+# two stages (which 1F1B fills with two micro-batches at least) both compare with DDP on one process, --grad-accum 2.
+EXTRA_FLAGS = {"fsdp2_tp_pretrain.py": ["--grad-accum", 2], "pp_pretrain.py": ["--grad-accum", 2]}
 
 
 def write_tiny_corpus():

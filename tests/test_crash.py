@@ -12,6 +12,7 @@ import torch
 
 import checkpoints
 from helpers import (
+    EXTRA_FLAGS,
     SFT_DATA,
     TINY_RUN,
     assert_same_weights_and_moments,
@@ -23,10 +24,10 @@ from helpers import (
 )
 
 CRASHES = {  # script, moment (tests/crash.py's CRASH_AT), rank killed
-    "ddp mid-run": ("ddp_pretrain.py", "step:12", 1),
     "ddp mid-save": ("ddp_pretrain.py", "save:20", 0),  # DDP's rank 0 writes the checkpoint alone
-    "fsdp2 mid-run": ("fsdp2_pretrain.py", "step:12", 1),
     "fsdp2 mid-save": ("fsdp2_pretrain.py", "save:20", 1),  # model/ written, optimizer/ not
+    "tp mid-run": ("fsdp2_tp_pretrain.py", "step:12", 1),  # dp 1 x tp 2: the killed rank holds half of each layer
+    "pp mid-run": ("pp_pretrain.py", "step:12", 1),  # 2 stages: the last one dies, the first waits on its sends
     "grpo mid-rollout": ("fsdp2_grpo.py", "rollout:12", 1),  # rank 0 waits inside its synced generation
 }
 
@@ -35,7 +36,7 @@ def flags_of(script, tiny_run):
     """The shared tiny run's flags; GRPO's also name the SFT run it starts from, as conftest's tiny_run does."""
     source = (["--init-from", tiny_run("fsdp2_sft.py")[0], "--eval-generate", 8, *SFT_DATA] if script == "fsdp2_grpo.py"
               else [])
-    return [*TINY_RUN, *source]
+    return [*TINY_RUN, *EXTRA_FLAGS.get(script, []), *source]
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,7 @@ def crashed(tmp_path_factory, tiny_run):
     return get
 
 
-@pytest.mark.parametrize("case", ["ddp mid-run", "fsdp2 mid-run", "grpo mid-rollout"])
+@pytest.mark.parametrize("case", ["ddp mid-save", "tp mid-run", "pp mid-run", "grpo mid-rollout"])
 def test_killing_one_of_two_ranks_ends_the_job_with_an_error_within_60_seconds(case, crashed):
     _, result, seconds_after_kill = crashed(case)
     assert result.returncode != 0

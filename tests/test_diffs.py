@@ -6,6 +6,7 @@ import pytest
 from helpers import REPO
 
 BUDGETS = [("ddp_pretrain.py", "fsdp1_pretrain.py", 80), ("fsdp1_pretrain.py", "fsdp2_pretrain.py", 80),
+           ("fsdp2_pretrain.py", "fsdp2_tp_pretrain.py", 100), ("ddp_pretrain.py", "pp_pretrain.py", 150),
            ("fsdp2_pretrain.py", "fsdp2_sft.py", 120), ("fsdp2_sft.py", "fsdp2_grpo.py", 150)]
 
 

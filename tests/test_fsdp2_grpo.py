@@ -2,6 +2,7 @@
 patches the library calls and runs the script unchanged); the crash tests (test_crash.py) kill it mid-rollout and
 resume it."""
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -81,8 +82,15 @@ def test_one_rank_and_two_ranks_take_the_same_steps_on_the_same_rollouts(tiny_ru
     # Groups of 10 replies answering 0..9: each group has exactly one right reply, whatever its prompt.
     flags = [*TINY_RUN, *SFT_DATA, "--init-from", sft_dir, "--group-size", 10, "--max-steps", 3, "--eval-every", 100,
              "--eval-generate", 0]
-    check(fixed("answer-by-sample", *flags, "--prompts-per-step", 2, "--out-dir", tmp_path / "two", nproc=2))
-    check(fixed("answer-by-sample", *flags, "--prompts-per-step", 4, "--out-dir", tmp_path / "one", nproc=1))
+    layouts = [("two", 2, 2), ("one", 1, 4)]  # name, ranks, prompts per rank: 4 prompts a step either way
+
+    def run(layout):  # side by side
+        name, nproc, prompts = layout
+        return check(fixed("answer-by-sample", *flags, "--prompts-per-step", prompts, "--out-dir", tmp_path / name,
+                           nproc=nproc))
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        list(pool.map(run, layouts))
     two, one = read_metrics(tmp_path / "two")[0], read_metrics(tmp_path / "one")[0]
     for step in (1, 2, 3):
         # every group: a signal

@@ -72,10 +72,11 @@ def test_resume_skips_interrupted_saves_and_reproduces_steps_11_to_20_and_the_op
     assert_same_weights_and_moments(resumed_dir / "checkpoints" / "step_20", out / "checkpoints" / "step_20", tmp_path)
 
 
-@pytest.mark.parametrize("script", FSDP_SCRIPTS)
-def test_checkpoint_from_2_ranks_resumes_on_1_rank(script, tiny_run, tmp_path):
-    """DCP reshards on load. With two micro-batches, 1 rank takes the same global batches as 2 ranks did: the same
-    data order (a change of the global batch is refused), micro-batch m being what rank m fed."""
+def test_checkpoint_from_2_ranks_resumes_on_1_rank(tiny_run, tmp_path):
+    """DCP reshards on load: FSDP1 here (FSDP2's, a 4-rank 2D checkpoint resumed on 1 rank: test_fsdp2_tp_pretrain.py).
+    With two micro-batches, 1 rank takes the same global batches as 2 ranks did: the same data order (a change of the
+    global batch is refused), micro-batch m being what rank m fed."""
+    script = "fsdp1_pretrain.py"
     out, _ = tiny_run(script)
     resumed_dir = copy_checkpoint(out, 10, tmp_path)
     result = check(run_script(script, *TINY_RUN, "--grad-accum", 2, "--out-dir", resumed_dir, "--resume", nproc=1))
@@ -85,3 +86,15 @@ def test_checkpoint_from_2_ranks_resumes_on_1_rank(script, tiny_run, tmp_path):
     assert sorted(resumed) == list(range(11, 21))
     for step in range(11, 21):
         assert resumed[step]["loss"] == pytest.approx(original[step]["loss"], abs=1e-5)
+
+
+def test_zero2_trains_exactly_as_zero3(tiny_run, tmp_path):
+    """--reshard-after-forward false keeps each layer's gathered parameters from forward to backward (ZeRO-2) instead
+    of gathering them again (ZeRO-3): the same arithmetic, so the same steps as the default run."""
+    zero2_flags = ["--reshard-after-forward", "false", "--out-dir", tmp_path]
+    check(run_script("fsdp2_pretrain.py", *TINY_RUN, *zero2_flags, nproc=2))
+    zero2, zero3 = read_metrics(tmp_path)[0], read_metrics(tiny_run("fsdp2_pretrain.py")[0])[0]
+    assert sorted(zero2) == sorted(zero3) == list(range(1, 21))
+    for step in zero3:
+        assert zero2[step]["loss"] == pytest.approx(zero3[step]["loss"], abs=1e-6)
+        assert zero2[step]["grad_norm"] == pytest.approx(zero3[step]["grad_norm"], rel=1e-6)

@@ -19,7 +19,8 @@ import data
 import prepare_data
 from helpers import PYTHON, REPO, TINY_RUN, check, run_script
 
-WORDS = "the interpreter reads 42 lines of code, naïve café 東京 🙂 def f(x): return x ** 2\n\nand then".split(" ")
+WORDS = ("the interpreter reads 42 lines of code, naïve café 東京 🙂 "
+         "def f(x): return x ** 2\n\nand then").split(" ")
 
 
 def write_parquet(path, n_docs, seed=0, words_per_doc=(1, 400)):

@@ -1,0 +1,282 @@
+"""Pretrain a Qwen2-architecture LM on a 2D mesh: tensor parallelism inside each layer x FSDP2 across replicas.
+
+    torchrun --standalone --nproc_per_node=2 fsdp2_tp_pretrain.py             # default: small model, builtin data
+    torchrun --standalone --nproc_per_node=8 fsdp2_tp_pretrain.py --model qwen2-0.5b --data data/fineweb-edu
+
+data/fineweb-edu is FineWeb-Edu's 10B-token sample, tokenized once by prepare_data.py (its docstring says how).
+"""
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.utils.tensorboard import SummaryWriter
+from tqdm import tqdm
+
+import checkpoints
+import common
+import data
+import metrics
+import modeling
+
+SCRIPT = Path(__file__).stem  # names the run folder and is recorded in every checkpoint
+
+# ---------------------------------------------------------------------------------------------- setup
+rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+local_rank = int(os.environ.get("LOCAL_RANK", 0))
+parser = common.get_parser(__doc__, f"runs/{SCRIPT}")
+parser.add_argument("--reshard-after-forward", type=common.boolean, default=True, help="true: a layer's gathered "
+                    "parameters are freed after forward, gathered again in backward (ZeRO-3); false: kept (ZeRO-2)")
+parser.add_argument("--tp", type=common.COUNT, default=2, help="tensor-parallel degree: the ranks that split each "
+                    "decoder layer's matrices; the world size / tp replicas (dp) read different samples")
+args = parser.parse_args()
+kv_heads = common.MODEL_PRESETS[args.model]["model"]["num_key_value_heads"]
+if kv_heads % args.tp:  # each tp rank computes whole KV heads (and their query heads)
+    raise common.UsageError(f"--tp {args.tp} does not divide the {kv_heads} KV heads of the '{args.model}' preset: "
+                            f"choose a --tp that does")
+if world_size % args.tp:
+    raise common.UsageError(f"--tp {args.tp} does not divide the world size {world_size}: choose a --tp that does")
+if args.compile:  # torch 2.13: AOTAutograd fails on tensor-parallel layers under activation checkpointing (tried here)
+    raise common.UsageError("--compile: this script runs its tensor-parallel layers eager; drop --compile")
+dp_size = world_size // args.tp
+args = common.finalize_args(args, dp_size)
+device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+checkpoint_root = Path(args.out_dir) / "checkpoints"
+resume_dir = checkpoints.find_resume_checkpoint(args, checkpoint_root, SCRIPT)
+
+# ---------------------------------------------------------------------------------------------- data
+tokenizer = common.get_tokenizer()
+# Splits: each sample's start, length and target count, as arrays over the memory-mapped tokens.
+train, val = data.load_pretraining_data(args, tokenizer)
+data_order = data.data_order(args, train, val, dp_size)  # what the sample order depends on (checked: enough samples)
+checkpoints.check_resume(resume_dir, args, data_order)  # --resume: the same data order; says which other flags changed
+
+# ---------------------------------------------------------------------------------------------- distributed
+# Every input check is behind us: from here on the ranks talk to each other.
+if rank == 0:
+    checkpoints.remove_incomplete_checkpoints(checkpoint_root)  # what a crashed run left half-written
+common.init_process_group(device)
+if device.type == "cuda":
+    torch.cuda.set_device(device)
+# Rows are replicas, which FSDP2 shards across; columns split each layer. A tp group's ranks are neighbours, so on a
+# node the most frequent collectives, TP's, run over the fastest links.
+mesh = init_device_mesh(device.type, (dp_size, args.tp), mesh_dim_names=("dp", "tp"))
+dp_rank, dp_group = mesh["dp"].get_local_rank(), mesh["dp"].get_group()  # the tp ranks of a replica read alike
+
+# ---------------------------------------------------------------------------------------------- model
+torch.manual_seed(args.seed)  # the same init on every rank, and in every script
+model = modeling.build_model(args.model, args.activation_checkpointing)
+n_params, model_config = modeling.count_parameters(model), model.config
+if rank == 0:
+    common.write_config(args, SCRIPT, world_size, device, dtype, n_params, dp_size)  # the start block, config.json
+
+# ---------------------------------------------------------------------------------------------- tensor parallel
+# transformers' own Qwen2 plan (Qwen2Config.base_model_tp_plan). Column-wise: each tp rank holds a slice of the output
+# features (of q, k and v whole heads), so the input must be whole on every rank: nothing to send in forward, one
+# all-reduce of the input's gradient in backward. Row-wise: the matching slice of the input features, so each rank's
+# product is a partial sum: one all-reduce of the output in forward, nothing in backward. Per layer: 2 all-reduces in
+# forward; 5 in backward (q, k, v, gate, up), plus the forward's 2 again when checkpointing recomputes the layer.
+layer_plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+              "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+              "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+for layer in model.model.layers:
+    parallelize_module(layer, mesh["tp"], layer_plan)
+# The embedding, final norm and tied head stay whole on every tp rank: split, the tie would have to be restored by
+# hand, and each rank would make logits for its slice of the vocabulary (loss_parallel), which the chunked loss does
+# not. Sequence parallelism would also split the norms and the residual stream by position, trading each all-reduce
+# for a reduce-scatter and an all-gather: less activation memory, the same traffic.
+
+# ---------------------------------------------------------------------------------------------- wrap
+# bf16: compute on bf16 copies of the gathered parameters; reduce gradients and keep the shards in fp32.
+mixed_precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+for layer in model.model.layers:  # one unit per decoder layer, sharded over the replicas: its TP shards split again
+    fully_shard(layer, mesh=mesh["dp"], mp_policy=mixed_precision, reshard_after_forward=args.reshard_after_forward)
+fully_shard(model, mesh=mesh["dp"], mp_policy=mixed_precision)  # the root: embedding, tied head, final norm
+
+# ---------------------------------------------------------------------------------------------- optimizer
+# Matrices decay; biases and norm gains do not. Decided by name: under FSDP1 every parameter is a flat 1-D shard.
+decay = [p for name, p in model.named_parameters() if not (name.endswith("bias") or "norm" in name)]
+no_decay = [p for name, p in model.named_parameters() if name.endswith("bias") or "norm" in name]
+groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+
+
+# ---------------------------------------------------------------------------------------------- checkpoint
+def save_checkpoint(step, data_position):
+    """Every rank writes its own shards with DCP into a partial folder that is renamed once complete."""
+    partial_dir = checkpoint_root / f".partial_step_{step}"
+    if rank == 0:
+        shutil.rmtree(partial_dir, ignore_errors=True)
+        partial_dir.mkdir(parents=True)
+        torch.save({"step": step, "data_position": data_position, "rng": torch.get_rng_state()},
+                   partial_dir / "train_state.pt")  # one copy: ranks seed alike
+    dist.barrier()  # the folder exists before anyone writes into it
+    dcp.save(get_model_state_dict(model), checkpoint_id=partial_dir / "model")  # DTensor shards, named as in the model
+    dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=partial_dir / "optimizer")  # keyed by name too
+    if rank == 0:
+        checkpoints.commit_checkpoint(partial_dir, args, SCRIPT, step, world_size, data_order)
+    dist.barrier()  # nobody runs ahead (or exits) before the checkpoint is committed
+
+
+def load_checkpoint(checkpoint_dir):
+    """DCP loads in place into state dicts shaped for THIS world size (so it reshards), then we set them."""
+    # get_optimizer_state_dict first gives a fresh AdamW its moments: dcp.load(optimizer.state_dict()) would load none.
+    model_state, optimizer_state = get_model_state_dict(model), get_optimizer_state_dict(model, optimizer)
+    dcp.load(model_state, checkpoint_id=checkpoint_dir / "model")
+    dcp.load(optimizer_state, checkpoint_id=checkpoint_dir / "optimizer")
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+    train_state = torch.load(checkpoint_dir / "train_state.pt", map_location="cpu", weights_only=True)
+    torch.set_rng_state(train_state["rng"])
+    return train_state["step"], train_state["data_position"]
+
+
+# ---------------------------------------------------------------------------------------------- resume
+step, data_position = 0, {"epoch": 0, "index": 0}
+if resume_dir is not None:
+    step, data_position = load_checkpoint(resume_dir)
+    optimizer.param_groups[0]["weight_decay"] = args.weight_decay  # the load restored the checkpoint's: this run's wins
+    if rank == 0:
+        print(f"resumed from {resume_dir} at step {step}")
+
+
+def make_schedule(lengths, epoch, grad_accum, order):
+    return data.epoch_schedule(lengths, args.buckets, args.tokens_per_batch, dp_size, grad_accum, args.seed, epoch,
+                               order)
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+val_schedule = make_schedule(val.lengths, 0, 1, "ascending")
+
+
+@torch.no_grad()
+def evaluate():
+    """Loss over the whole validation split: summed over all tokens of all ranks, then divided once."""
+    model.eval()
+    loss_sum = torch.zeros((), device=device)
+    for bucket_len, samples in val_schedule:
+        batch_size = data.bucket_batch_size(args.tokens_per_batch, bucket_len)
+        input_ids, targets = data.collate(val, samples[dp_rank::dp_size], bucket_len, batch_size)
+        loss_sum += model(input_ids=input_ids.to(device), targets=targets.to(device))  # summed over the targets
+    dist.all_reduce(loss_sum, group=dp_group)  # each replica's loss once: its tp ranks all hold it
+    model.train()
+    return loss_sum.item() / sum(val.target_counts)
+
+
+# ---------------------------------------------------------------------------------------------- training loop
+Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+if rank == 0:
+    metrics_file = metrics.open_metrics(Path(args.out_dir) / "metrics.jsonl", step if resume_dir else None)
+    # On resume, TensorBoard drops a crashed run's points after the checkpoint's step.
+    writer = SummaryWriter(Path(args.out_dir) / "tensorboard", purge_step=step + 1 if resume_dir else None)
+    progress = tqdm(total=args.max_steps, initial=step, desc=SCRIPT, dynamic_ncols=True)
+
+
+def log(row):
+    if rank == 0:
+        metrics_file.write(json.dumps(row) + "\n")
+        metrics_file.flush()
+        for name, value in row.items():
+            if name != "step" and value is not None:
+                writer.add_scalar(name, value, row["step"])
+
+
+peak_flops = metrics.device_peak_flops(device)
+schedule = make_schedule(train.lengths, data_position["epoch"], args.grad_accum, args.bucket_order)
+start_time, total_tokens, total_padded, run_peak_mem_gb = time.perf_counter(), 0, 0, 0.0
+val_loss = evaluate() if step == 0 else None
+if step == 0:
+    log({"step": 0, "val_loss": val_loss})
+model.train()
+while step < args.max_steps:
+    if data_position["index"] >= len(schedule):  # epoch done: the next one reshuffles, as a function of (seed, epoch)
+        data_position = {"epoch": data_position["epoch"] + 1, "index": 0}
+        schedule = make_schedule(train.lengths, data_position["epoch"], args.grad_accum, args.bucket_order)
+    bucket_len, step_samples = schedule[data_position["index"]]  # the step's samples, all ranks' and micro-batches'
+    data_position = {**data_position, "index": data_position["index"] + 1}
+    batch_size = data.bucket_batch_size(args.tokens_per_batch, bucket_len)
+    tokens = int(train.lengths[step_samples].sum())
+    target_tokens = int(train.target_counts[step_samples].sum())  # positions with a loss, all ranks
+    metrics.reset_peak_memory(device)  # each row's peak is its own step's, so per bucket
+    step_start = time.perf_counter()
+
+    loss_sum = torch.zeros((), device=device)
+    for micro in range(args.grad_accum):
+        # Dealt round-robin, so that a bucket's short last step spreads evenly over the ranks.
+        sample_ids = step_samples[micro * dp_size + dp_rank::dp_size * args.grad_accum]
+        input_ids, targets = data.collate(train, sample_ids, bucket_len, batch_size)
+        # Divide by the target tokens of the WHOLE step (all ranks, all micro-batches), not by this batch's:
+        # a long sample then weighs as much as it would in one big batch. The gradient sync averages over
+        # replicas, so we multiply by dp_size to turn that average back into the sum.
+        model.set_requires_gradient_sync(micro == args.grad_accum - 1)  # FSDP2's switch for no_sync()
+        # The summed loss; logits are made only at target positions, a chunk at a time (modeling.build_model).
+        micro_loss_sum = model(input_ids=input_ids.to(device), targets=targets.to(device))
+        (micro_loss_sum * dp_size / target_tokens).backward()
+        loss_sum += micro_loss_sum.detach()
+    # The norm by hand, then the library clips with it: on CPU, torch's fp32 vector_norm (inside clip_grad_norm_)
+    # drifts by ~1e-4 on large tensors (pytorch#169237), while a sum of squares is exact to ~1e-7.
+    # The gradients are DTensors on two meshes (TP matrices on both, the rest on dp), which cannot be stacked together
+    # (pytorch#180346), so over local shards: a TP shard is its rank's alone, the others' are held alike by the tp ranks
+    # of a replica and count 1/tp each; one all-reduce over all ranks adds them up.
+    grad_norm = torch.stack([p.grad.to_local().square().sum() / (1 if p.grad.device_mesh.ndim == 2 else args.tp)
+                             for p in model.parameters()]).sum()
+    dist.all_reduce(grad_norm)
+    grad_norm = grad_norm.sqrt()
+    # One tensor at a time: a foreach kernel cannot take DTensors of two meshes either.
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.grad_clip or float("inf"), grad_norm, foreach=False)
+    dist.all_reduce(loss_sum, group=dp_group)  # for the log and the check: the gradients were already exact
+    loss = loss_sum.item() / target_tokens
+    metrics.stop_if_nonfinite(step + 1, loss, grad_norm.item())  # global values: all ranks stop alike, before updating
+    lr = common.learning_rate(step, args)  # from the step and this run's flags: a resumed run follows a new --lr
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    step += 1
+
+    step_time = time.perf_counter() - step_start
+    step_peak_mem_gb = metrics.peak_memory_gb(device)
+    run_peak_mem_gb = max(run_peak_mem_gb, step_peak_mem_gb)
+    padded_tokens = dp_size * args.grad_accum * batch_size * bucket_len
+    total_tokens, total_padded = total_tokens + tokens, total_padded + padded_tokens
+    flops = modeling.flops_per_token(n_params, model_config, bucket_len) * tokens
+    mfu = flops / step_time / (peak_flops * world_size) if peak_flops else None  # None where the peak is unknown (CPUs)
+    if step % args.log_every == 0 or step == args.max_steps:
+        log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(), "tokens": tokens,
+             "padded_tokens": padded_tokens, "target_tokens": target_tokens, "bucket_len": bucket_len,
+             "batch_size": batch_size, "tokens_per_s": tokens / step_time,
+             "mfu": mfu, "peak_mem_gb": step_peak_mem_gb, "peak_reserved_gb": metrics.peak_reserved_memory_gb(device),
+             "elapsed_s": time.perf_counter() - start_time})
+    if step % args.eval_every == 0 or step == args.max_steps:
+        val_loss = evaluate()
+        log({"step": step, "val_loss": val_loss})
+    if step % args.save_every == 0 or step == args.max_steps:
+        save_checkpoint(step, data_position)
+    if rank == 0:
+        progress.update(1)
+        progress.set_postfix({"loss": f"{loss:.3f}", "tok/s": f"{tokens / step_time:,.0f}",
+                              **({"mfu": f"{mfu:.1%}"} if mfu else {}), "mem": f"{step_peak_mem_gb:.2f}GB",
+                              "bucket": bucket_len})
+
+# ---------------------------------------------------------------------------------------------- end
+if rank == 0:
+    progress.close()
+    writer.close()
+    metrics_file.close()
+    elapsed = time.perf_counter() - start_time
+    print(f"done: {step} steps, val loss {val_loss if val_loss is None else round(val_loss, 4)}, "
+          f"non-padding share {total_tokens / max(1, total_padded):.1%}, {total_tokens / elapsed:,.0f} tokens/s, "
+          f"{elapsed:.0f}s")
+param_elements, optimizer_elements = modeling.local_state_sizes(model, optimizer)
+print(f"rank {rank} holds {param_elements:,} parameter and {optimizer_elements:,} optimizer-state elements "
+      f"({n_params:,} parameters in the model), peak memory in training {run_peak_mem_gb:.2f} GB")
+dist.barrier()  # without it, a rank that exits first can abort the others' gloo teardown
+dist.destroy_process_group()

@@ -1,0 +1,304 @@
+"""Pretrain a Qwen2-architecture LM with pipeline parallelism: the decoder layers split into stages, one per rank.
+
+    torchrun --standalone --nproc_per_node=2 pp_pretrain.py                   # default: small model, builtin data
+    torchrun --standalone --nproc_per_node=8 pp_pretrain.py --model qwen2-0.5b --data data/fineweb-edu --pp 4
+
+data/fineweb-edu is FineWeb-Edu's 10B-token sample, tokenized once by prepare_data.py (its docstring says how).
+"""
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.tensorboard import SummaryWriter
+from tqdm import tqdm
+
+import checkpoints
+import common
+import data
+import metrics
+import modeling
+
+SCRIPT = Path(__file__).stem  # names the run folder and is recorded in every checkpoint
+
+# ---------------------------------------------------------------------------------------------- setup
+rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+local_rank = int(os.environ.get("LOCAL_RANK", 0))
+parser = common.get_parser(__doc__, f"runs/{SCRIPT}")
+parser.add_argument("--pp", type=common.COUNT, default=None, help="pipeline stages (default: the world size)")
+parser.add_argument("--pp-schedule", choices=["gpipe", "1f1b"], default="1f1b", help="gpipe: every forward, then "
+                    "every backward; 1f1b: in turn, so a stage keeps at most pp micro-batches' activations")
+parser.set_defaults(grad_accum=4)  # the micro-batches that fill a pipeline: (pp - 1) / (grad_accum + pp - 1) idles
+args = parser.parse_args()
+args.pp, n_layers = args.pp or world_size, common.MODEL_PRESETS[args.model]["model"]["num_hidden_layers"]
+if n_layers % args.pp or world_size % args.pp:
+    raise common.UsageError(f"--pp {args.pp} must divide the '{args.model}' preset's {n_layers} layers and the world "
+                            f"size {world_size}: choose a --pp that does")
+if args.pp_schedule == "1f1b" and args.grad_accum < args.pp:  # 1F1B fills every stage before its first backward
+    raise common.UsageError(f"--grad-accum {args.grad_accum} is below the {args.pp} stages, which 1F1B needs at least: "
+                            f"raise --grad-accum, or pass --pp-schedule gpipe")
+dp_size = world_size // args.pp
+args = common.finalize_args(args, dp_size)
+device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+checkpoint_root = Path(args.out_dir) / "checkpoints"
+resume_dir = checkpoints.find_resume_checkpoint(args, checkpoint_root, SCRIPT)
+
+# ---------------------------------------------------------------------------------------------- data
+tokenizer = common.get_tokenizer()
+# Splits: each sample's start, length and target count, as arrays over the memory-mapped tokens.
+train, val = data.load_pretraining_data(args, tokenizer)
+data_order = data.data_order(args, train, val, dp_size)  # what the sample order depends on (checked: enough samples)
+checkpoints.check_resume(resume_dir, args, data_order)  # --resume: the same data order; says which other flags changed
+
+# ---------------------------------------------------------------------------------------------- distributed
+# Every input check is behind us: from here on the ranks talk to each other.
+if rank == 0:
+    checkpoints.remove_incomplete_checkpoints(checkpoint_root)  # what a crashed run left half-written
+common.init_process_group(device)
+if device.type == "cuda":
+    torch.cuda.set_device(device)
+mesh = init_device_mesh(device.type, (dp_size, args.pp), mesh_dim_names=("dp", "pp"))  # rows: pipelines, each in order
+dp_rank, stage_index = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
+is_first, is_last = stage_index == 0, stage_index == args.pp - 1
+# The tied embedding and head: a copy on each pipeline's first and last stage (new_group: every rank makes every group).
+tie_group = [dist.new_group(sorted({row[0], row[-1]})) for row in mesh.mesh.tolist()][dp_rank]
+
+# ---------------------------------------------------------------------------------------------- model
+torch.manual_seed(args.seed)  # the same init on every rank, and in every script
+model = modeling.build_model(args.model, args.activation_checkpointing).to(device)
+n_params, model_config = modeling.count_parameters(model), model.config
+if rank == 0:
+    common.write_config(args, SCRIPT, world_size, device, dtype, n_params, dp_size)  # the start block, config.json
+# This rank's stage: its decoder layers under their own names (layers.<i>: checkpoints keyed as the other scripts'), the
+# embedding on the first stage, norm and head on the last (which keeps the embedding module too: one name, one weight).
+stage_layers = range(stage_index * n_layers // args.pp, (stage_index + 1) * n_layers // args.pp)
+model.model.layers = torch.nn.ModuleDict({str(i): model.model.layers[i] for i in stage_layers})
+if not is_last:
+    del model.model.norm, model.lm_head
+if not (is_first or is_last):
+    del model.model.embed_tokens
+if args.compile:
+    torch._dynamo.config.recompile_limit = 2 * len(args.buckets)  # per bucket a training and an evaluation graph
+    for layer in model.model.layers.values():  # regional: all layers share each bucket's graph; hooks stay outside
+        layer.compile(dynamic=False)  # in place (state_dict keys unchanged); static shapes: each bucket its own kernels
+
+# ---------------------------------------------------------------------------------------------- wrap
+# A stage's replicas average their gradients (static_graph, or GPipe trips DDP's bucket rebuild: an assert, torch 2.13).
+model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, process_group=mesh["dp"].get_group(),
+            static_graph=True)
+# bf16 matmuls, fp32 weights.
+model.forward = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)(model.forward)
+
+# ---------------------------------------------------------------------------------------------- optimizer
+# Matrices decay; biases and norm gains do not. Decided by name: under FSDP1 every parameter is a flat 1-D shard.
+decay = [p for name, p in model.named_parameters() if not (name.endswith("bias") or "norm" in name)]
+no_decay = [p for name, p in model.named_parameters() if name.endswith("bias") or "norm" in name]
+groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+
+
+# ---------------------------------------------------------------------------------------------- checkpoint
+def save_checkpoint(step, data_position):
+    """Every stage writes its own layers with DCP, keyed by the whole model's names (fsdp2_pretrain.py's format)."""
+    partial_dir = checkpoint_root / f".partial_step_{step}"
+    if rank == 0:
+        shutil.rmtree(partial_dir, ignore_errors=True)
+        partial_dir.mkdir(parents=True)
+        torch.save({"step": step, "data_position": data_position, "rng": torch.get_rng_state()},
+                   partial_dir / "train_state.pt")  # one copy: ranks seed alike
+    dist.barrier()  # the folder exists before anyone writes into it
+    # Replicas and the tied weight's two copies hold the same tensors under the same names: DCP writes each once.
+    dcp.save(get_model_state_dict(model.module), checkpoint_id=partial_dir / "model")
+    dcp.save(get_optimizer_state_dict(model.module, optimizer), checkpoint_id=partial_dir / "optimizer")
+    if rank == 0:
+        checkpoints.commit_checkpoint(partial_dir, args, SCRIPT, step, world_size, data_order)
+    dist.barrier()  # nobody runs ahead (or exits) before the checkpoint is committed
+
+
+def load_checkpoint(checkpoint_dir):
+    """DCP loads in place into state dicts of this stage's names only, from a checkpoint of any layout; we set them."""
+    model_state, optimizer_state = get_model_state_dict(model.module), get_optimizer_state_dict(model.module, optimizer)
+    dcp.load(model_state, checkpoint_id=checkpoint_dir / "model")
+    # Only the moments: the saved param groups are one stage's (DCP keeps one copy of what every rank names alike).
+    dcp.load({"state": optimizer_state["state"]}, checkpoint_id=checkpoint_dir / "optimizer")
+    set_state_dict(model.module, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+    train_state = torch.load(checkpoint_dir / "train_state.pt", map_location="cpu", weights_only=True)
+    torch.set_rng_state(train_state["rng"])
+    return train_state["step"], train_state["data_position"]
+
+
+# ---------------------------------------------------------------------------------------------- resume
+step, data_position = 0, {"epoch": 0, "index": 0}
+if resume_dir is not None:
+    step, data_position = load_checkpoint(resume_dir)
+    optimizer.param_groups[0]["weight_decay"] = args.weight_decay  # the load restored the checkpoint's: this run's wins
+    if rank == 0:
+        print(f"resumed from {resume_dir} at step {step}")
+
+
+def make_schedule(lengths, epoch, grad_accum, order):
+    return data.epoch_schedule(lengths, args.buckets, args.tokens_per_batch, dp_size, grad_accum, args.seed,
+                               epoch, order)
+
+
+# ---------------------------------------------------------------------------------------------- pipeline
+def stage_forward(hidden, decoder=model.module.model):  # token ids in on the first stage, the norm's output out last
+    if is_first:
+        hidden = decoder.embed_tokens(hidden)
+    positions = torch.arange(hidden.shape[1], device=hidden.device)[None]
+    rotary = decoder.rotary_emb(hidden, positions)  # the cos and sin of each position, as Qwen2Model makes them
+    for layer in decoder.layers.values():
+        hidden = layer(hidden, position_embeddings=rotary)
+    return decoder.norm(hidden) if is_last else hidden
+
+
+def loss_fn(output, targets, scale):  # the last stage's: the chunked loss of the norm's output and the head
+    return modeling.chunked_cross_entropy(output, model.module.lm_head.weight, targets) * scale
+
+
+pipeline_schedules = {}
+
+
+model.module.forward = stage_forward  # what DDP calls
+
+
+def run_pipeline(split, samples, bucket_len, scale, train):
+    """This pipeline's micro-batches through the stages; their losses' sum times scale (0 but on the last stage). One
+    stage and schedule per bucket, on the same modules: a stage sizes its messages for one shape (gloo aborts else)."""
+    if bucket_len not in pipeline_schedules:
+        stage = PipelineStage(model, stage_index, args.pp, device, group=mesh["pp"].get_group())
+        schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.pp_schedule]
+        # scale_grads=False: the loss is already a sum over the whole step, not to be divided by the micro-batches.
+        pipeline_schedules[bucket_len] = schedule(stage, args.grad_accum, loss_fn=loss_fn, scale_grads=False)
+    batch_size = data.bucket_batch_size(args.tokens_per_batch, bucket_len)
+    batches = [data.collate(split, samples[m * dp_size + dp_rank::dp_size * args.grad_accum], bucket_len, batch_size)
+               for m in range(args.grad_accum)]
+    input_ids, targets = (torch.cat(tensors).to(device) for tensors in zip(*batches))
+    schedule, losses = pipeline_schedules[bucket_len], []
+    (schedule.step if train else schedule.eval)(*([input_ids] if is_first else []), target=targets if is_last else None,
+                                                losses=losses, loss_kwargs={"scale": scale})
+    return torch.stack(losses).sum().detach() if is_last else torch.zeros((), device=device)
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+val_schedule = make_schedule(val.lengths, 0, args.grad_accum, "ascending")
+
+
+@torch.no_grad()
+def evaluate():
+    """Loss over the whole validation split: summed over all tokens of all ranks, then divided once."""
+    model.eval()
+    loss_sum = torch.zeros((), device=device)
+    for bucket_len, samples in val_schedule:
+        loss_sum += run_pipeline(val, samples, bucket_len, 1.0, train=False)  # summed over the targets (last stage)
+    dist.all_reduce(loss_sum)
+    model.train()
+    return loss_sum.item() / sum(val.target_counts)
+
+
+# ---------------------------------------------------------------------------------------------- training loop
+Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+if rank == 0:
+    metrics_file = metrics.open_metrics(Path(args.out_dir) / "metrics.jsonl", step if resume_dir else None)
+    # On resume, TensorBoard drops a crashed run's points after the checkpoint's step.
+    writer = SummaryWriter(Path(args.out_dir) / "tensorboard", purge_step=step + 1 if resume_dir else None)
+    progress = tqdm(total=args.max_steps, initial=step, desc=SCRIPT, dynamic_ncols=True)
+
+
+def log(row):
+    if rank == 0:
+        metrics_file.write(json.dumps(row) + "\n")
+        metrics_file.flush()
+        for name, value in row.items():
+            if name != "step" and value is not None:
+                writer.add_scalar(name, value, row["step"])
+
+
+peak_flops = metrics.device_peak_flops(device)
+schedule = make_schedule(train.lengths, data_position["epoch"], args.grad_accum, args.bucket_order)
+start_time, total_tokens, total_padded, run_peak_mem_gb = time.perf_counter(), 0, 0, 0.0
+val_loss = evaluate() if step == 0 else None
+if step == 0:
+    log({"step": 0, "val_loss": val_loss})
+model.train()
+while step < args.max_steps:
+    if data_position["index"] >= len(schedule):  # epoch done: the next one reshuffles, as a function of (seed, epoch)
+        data_position = {"epoch": data_position["epoch"] + 1, "index": 0}
+        schedule = make_schedule(train.lengths, data_position["epoch"], args.grad_accum, args.bucket_order)
+    bucket_len, step_samples = schedule[data_position["index"]]  # the step's samples, all ranks' and micro-batches'
+    data_position = {**data_position, "index": data_position["index"] + 1}
+    batch_size = data.bucket_batch_size(args.tokens_per_batch, bucket_len)
+    tokens = int(train.lengths[step_samples].sum())
+    target_tokens = int(train.target_counts[step_samples].sum())  # positions with a loss, all ranks
+    metrics.reset_peak_memory(device)  # each row's peak is its own step's, so per bucket
+    step_start = time.perf_counter()
+
+    # Divide by the target tokens of the WHOLE step (all pipelines, all micro-batches), as ddp_pretrain.py does: the
+    # gradient sync averages over pipelines, so we multiply by dp_size to turn that average back into the sum.
+    loss_sum = run_pipeline(train, step_samples, bucket_len, dp_size / target_tokens, True) * target_tokens / dp_size
+    if is_first or is_last:  # the embedding's copy and the head's are one weight: one gradient, the sum of both
+        dist.all_reduce(model.module.model.embed_tokens.weight.grad, group=tie_group)
+    # The norm by hand, then the library clips with it: on CPU, torch's fp32 vector_norm (inside clip_grad_norm_)
+    # drifts by ~1e-4 on large tensors (pytorch#169237), while a sum of squares is exact to ~1e-7.
+    grad_norm = torch.stack([p.grad.square().sum() for name, p in model.module.named_parameters()  # tied: counted once
+                             if is_first or not name.startswith("model.embed_tokens")]).sum()
+    dist.all_reduce(grad_norm, group=mesh["pp"].get_group())  # the stages' squares, summed
+    grad_norm = grad_norm.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.grad_clip or float("inf"), grad_norm)
+    dist.all_reduce(loss_sum)  # for the log and the check: the gradients were already exact
+    loss = loss_sum.item() / target_tokens
+    metrics.stop_if_nonfinite(step + 1, loss, grad_norm.item())  # global values: all ranks stop alike, before updating
+    lr = common.learning_rate(step, args)  # from the step and this run's flags: a resumed run follows a new --lr
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    step += 1
+
+    step_time = time.perf_counter() - step_start
+    step_peak_mem_gb = metrics.peak_memory_gb(device)
+    run_peak_mem_gb = max(run_peak_mem_gb, step_peak_mem_gb)
+    padded_tokens = dp_size * args.grad_accum * batch_size * bucket_len
+    total_tokens, total_padded = total_tokens + tokens, total_padded + padded_tokens
+    flops = modeling.flops_per_token(n_params, model_config, bucket_len) * tokens
+    mfu = flops / step_time / (peak_flops * world_size) if peak_flops else None  # None where the peak is unknown (CPUs)
+    if step % args.log_every == 0 or step == args.max_steps:
+        log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(), "tokens": tokens,
+             "padded_tokens": padded_tokens, "target_tokens": target_tokens, "bucket_len": bucket_len,
+             "batch_size": batch_size, "tokens_per_s": tokens / step_time,
+             "mfu": mfu, "peak_mem_gb": step_peak_mem_gb, "peak_reserved_gb": metrics.peak_reserved_memory_gb(device),
+             "elapsed_s": time.perf_counter() - start_time})
+    if step % args.eval_every == 0 or step == args.max_steps:
+        val_loss = evaluate()
+        log({"step": step, "val_loss": val_loss})
+    if step % args.save_every == 0 or step == args.max_steps:
+        save_checkpoint(step, data_position)
+    if rank == 0:
+        progress.update(1)
+        progress.set_postfix({"loss": f"{loss:.3f}", "tok/s": f"{tokens / step_time:,.0f}",
+                              **({"mfu": f"{mfu:.1%}"} if mfu else {}), "mem": f"{step_peak_mem_gb:.2f}GB",
+                              "bucket": bucket_len})
+
+# ---------------------------------------------------------------------------------------------- end
+if rank == 0:
+    progress.close()
+    writer.close()
+    metrics_file.close()
+    elapsed = time.perf_counter() - start_time
+    print(f"done: {step} steps, val loss {val_loss if val_loss is None else round(val_loss, 4)}, "
+          f"non-padding share {total_tokens / max(1, total_padded):.1%}, {total_tokens / elapsed:,.0f} tokens/s, "
+          f"{elapsed:.0f}s")
+param_elements, optimizer_elements = modeling.local_state_sizes(model, optimizer)
+print(f"rank {rank} holds {param_elements:,} parameter and {optimizer_elements:,} optimizer-state elements "
+      f"({n_params:,} parameters in the model), peak memory in training {run_peak_mem_gb:.2f} GB")
+dist.barrier()  # without it, a rank that exits first can abort the others' gloo teardown
+dist.destroy_process_group()

@@ -1,0 +1,98 @@
+"""fsdp2_tp_pretrain.py on CPU with gloo: tensor parallelism x FSDP2 trains as DDP does, splits what it says it
+splits, moves exactly the collectives docs/parallelism.md states, and its checkpoints reshard into fsdp2_pretrain.py
+and are read by generate.py (export_hf.py: test_export_hf.py; a crash and its resume: test_crash.py)."""
+import json
+import math
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+import checkpoints
+import common
+import modeling
+from helpers import TINY_RUN, check, copy_checkpoint, read_metrics, run_script
+
+TINY = {"hidden": 64, "intermediate": 256, "heads": 4, "kv_heads": 2, "layers": 2, "vocab": 50_304}
+
+
+@pytest.fixture(scope="module")
+def two_by_two(tmp_path_factory):
+    """The tiny run on a 2D mesh: 4 processes, dp 2 x tp 2. (out_dir, CompletedProcess)"""
+    out = tmp_path_factory.mktemp("tp4") / "run"
+    return out, check(run_script("fsdp2_tp_pretrain.py", *TINY_RUN, "--tp", 2, "--out-dir", out, nproc=4))
+
+
+def assert_same_steps(run, reference, steps, loss_abs, grad_norm_rel):
+    """Step by step, the same buckets, losses and grad norms; prints the largest differences."""
+    train, ref = read_metrics(run)[0], read_metrics(reference)[0]
+    loss_difference = max(abs(train[step]["loss"] - ref[step]["loss"]) for step in steps)
+    norm_difference = max(abs(train[step]["grad_norm"] / ref[step]["grad_norm"] - 1) for step in steps)
+    print(f"largest differences: loss {loss_difference:.1e}, grad norm {norm_difference:.1e} (relative)")
+    assert all(train[step]["bucket_len"] == ref[step]["bucket_len"] for step in steps)
+    assert loss_difference <= loss_abs and norm_difference <= grad_norm_rel
+    assert any(ref[step]["grad_norm"] > 1.0 for step in steps)  # clipping was active, and agreed too
+
+
+def test_tp_2_on_2_ranks_trains_as_ddp_on_1_rank(tiny_run, ddp_one_process):
+    """dp 1 x tp 2: both ranks see every sample, each computes half of every layer (both runs: --grad-accum 2)."""
+    assert_same_steps(tiny_run("fsdp2_tp_pretrain.py")[0], ddp_one_process, range(1, 11), 1e-4, 1e-4)
+
+
+def test_a_2d_mesh_of_4_ranks_trains_as_ddp_on_2_ranks(two_by_two, tiny_run):
+    assert_same_steps(two_by_two[0], tiny_run("ddp_pretrain.py")[0], range(1, 11), 1e-4, 1e-4)
+
+
+def test_each_tp_rank_holds_half_of_every_attention_and_mlp_matrix(tiny_run):
+    out, result = tiny_run("fsdp2_tp_pretrain.py")
+    shapes = json.loads((out.parent / "probe.json").read_text())["shapes"]
+    h, i, head = TINY["hidden"], TINY["intermediate"], TINY["hidden"] // TINY["heads"]
+    q, kv = h // 2, TINY["kv_heads"] * head // 2  # half the query heads, half the KV heads
+    assert shapes == {"self_attn.q_proj.weight": [q, h], "self_attn.q_proj.bias": [q],
+                      "self_attn.k_proj.weight": [kv, h], "self_attn.k_proj.bias": [kv],
+                      "self_attn.v_proj.weight": [kv, h], "self_attn.v_proj.bias": [kv],
+                      "self_attn.o_proj.weight": [h, q], "mlp.gate_proj.weight": [i // 2, h],
+                      "mlp.up_proj.weight": [i // 2, h], "mlp.down_proj.weight": [h, i // 2],
+                      "input_layernorm.weight": [h], "post_attention_layernorm.weight": [h]}
+    # What each rank holds in all: half of every TP matrix, the norms whole, and the tied embedding and head ONCE
+    # (untied, the head would be a second 50,304 x 64 matrix).
+    per_layer = sum(math.prod(shape) for shape in shapes.values())
+    held = TINY["vocab"] * h + TINY["layers"] * per_layer + h  # + the final norm
+    assert held == 3_281_344
+    for rank in (0, 1):
+        assert f"rank {rank} holds {held:,} parameter and {2 * held:,} optimizer-state elements" in result.stdout
+
+
+def test_one_layer_moves_exactly_the_collectives_the_docs_state(tiny_run):
+    """Column-wise q, k, v, gate, up; row-wise o, down: the outputs of o and down are all-reduced in forward, the
+    input gradients of the five column-wise projections in backward (CommDebugMode, one layer, no recompute)."""
+    probe = json.loads((tiny_run("fsdp2_tp_pretrain.py")[0].parent / "probe.json").read_text())
+    assert probe["forward"] == {"all_reduce": 2} and probe["backward"] == {"all_reduce": 5}
+
+
+def test_a_2d_checkpoint_resumes_in_fsdp2_pretrain_on_2_ranks_and_on_1(two_by_two, tmp_path):
+    """DCP reshards the dp 2 x tp 2 shards into FSDP2's 1D layout; 2 replicas, or 1 with 2 micro-batches, take the
+    same global batches, so the same steps. The two resumes run side by side."""
+    def resume(nproc, *flags):
+        resumed = copy_checkpoint(two_by_two[0], 10, tmp_path / f"on_{nproc}")
+        command = ["fsdp2_pretrain.py", *TINY_RUN, *flags, "--out-dir", resumed, "--resume"]
+        result = check(run_script(*command, nproc=nproc))
+        return resumed, result
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        runs = list(pool.map(lambda layout: resume(*layout), [(2,), (1, "--grad-accum", 2)]))
+    for resumed, result in runs:
+        assert "at step 10" in result.stdout
+        assert sorted(read_metrics(resumed)[0]) == list(range(11, 21))
+        assert_same_steps(resumed, two_by_two[0], range(11, 21), 1e-4, 1e-4)
+
+
+def test_generate_reads_a_2d_checkpoint_as_the_ddp_one_it_equals(two_by_two, tiny_run):
+    flags = ["--prompt", "The interpreter", "--max-new-tokens", 12]
+    printed = check(run_script("generate.py", two_by_two[0], *flags)).stdout
+    # The same greedy call in this process on DDP's step-20 checkpoint, which the 2D run equals.
+    model, _ = checkpoints.load_checkpoint_model(checkpoints.resolve_checkpoint(tiny_run("ddp_pretrain.py")[0]))
+    tokenizer = common.get_tokenizer()
+    with torch.no_grad():
+        reply = modeling.generate_replies(model, [tokenizer.encode_ordinary("The interpreter")], 12)[0]
+    assert printed == "The interpreter" + tokenizer.decode(reply) + "\n" and len(reply) == 12

@@ -115,6 +115,8 @@ def chunked_cross_entropy(hidden, weight, targets, weights=None):
     (broadcastable to targets) are given. Logits are made only at those positions (padding, and prompts in SFT,
     cost nothing in the head) and a chunk at a time. Always eager: --compile compiles the decoder layers only, and
     this has data-dependent shapes (which positions are targets)."""
+    if not torch.is_grad_enabled():  # evaluation: apply() would see the weight's requires_grad and make its gradient
+        hidden, weight = hidden.detach(), weight.detach()
     is_target = targets != IGNORE_INDEX
     row_weights = None if weights is None else torch.broadcast_to(weights, targets.shape)[is_target].float()
     return ChunkedCrossEntropy.apply(hidden[is_target], weight, targets[is_target], row_weights)

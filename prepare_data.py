@@ -77,20 +77,22 @@ def builtin_documents():
     return documents
 
 
-def builtin_reasoning_records(n=10_000, seed=0):
-    """A generated reasoning set in the OpenThoughts format, deterministic by seed: chains of three
+def builtin_reasoning_records(n=10_000, seed=0, operations=3):
+    """A generated reasoning set in the OpenThoughts format, deterministic by seed: chains of `operations` (three)
     single-digit additions and subtractions whose results stay within 0..9, no problem twice. Each thought
     step does one operation and carries the rest (6 + 2 = 8, so 8 - 6 - 1; ...): every result sits right
     after its operands, and the solution is "The answer is 1.". One chain length on purpose: a 4-layer
-    model learns to copy operands by position, and a rarer length is what it then gets wrong."""
+    model learns to copy operands by position, and a rarer length is what it then gets wrong (evaluate.py
+    asks chains of two and four, out of distribution)."""
     import random
 
-    assert n <= 12_000, "there are 13,310 distinct problems; ask for fewer"  # 10 * 11**3: 11 choices per step
+    distinct = 10 * 11**operations  # 11 choices per step
+    assert n <= 0.9 * distinct, f"there are {distinct:,} distinct problems of {operations} operations; ask for fewer"
     rng, records, seen = random.Random(seed), [], set()
     while len(records) < n:
         value = rng.randint(0, 9)
         terms = [str(value)]
-        for _ in range(3):
+        for _ in range(operations):
             op = rng.choice("+-")
             operand = rng.randint(0, 9 - value) if op == "+" else rng.randint(0, value)  # results stay within 0..9
             value = value + operand if op == "+" else value - operand

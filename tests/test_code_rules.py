@@ -72,7 +72,7 @@ def test_no_collective_inside_a_rank_zero_branch(script):
 # here cannot be imported by anyone but a test or a benchmark.
 SHARED_IMPORTS = {"common": set(), "modeling": {"common"}, "metrics": {"common"}, "prepare_data": {"common"},
                   "data": {"common", "prepare_data"}, "checkpoints": {"common", "modeling"}}
-TOOLS = ["generate.py", "export_hf.py"]
+TOOLS = ["generate.py", "export_hf.py", "evaluate.py", "plot.py"]
 TOP_LEVEL = sorted(p for p in REPO.glob("*.py"))
 
 

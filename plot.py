@@ -1,0 +1,82 @@
+"""Plots of training runs, overlaid: loss against step and against tokens, validation loss, and the answer accuracy
+and reward of SFT and GRPO runs, each panel drawn only when some run logged its metric.
+
+    python plot.py runs/ddp_pretrain runs/fsdp1_pretrain runs/fsdp2_pretrain --out pretrain.png
+    python plot.py runs/fsdp2_sft runs/fsdp2_grpo --out stages.png
+
+RUN_DIR is a script's --out-dir (its metrics.jsonl). Each run is labelled by its folder's name.
+"""
+import json
+from pathlib import Path
+
+import common
+
+# (metric, x axis, title) of each panel, in order; a panel is drawn when some run logged the metric.
+PANELS = [("loss", "step", "training loss"), ("loss", "tokens", "training loss"),
+          ("val_loss", "step", "validation loss"), ("val_accuracy", "step", "held-out answer accuracy"),
+          ("reward", "step", "mean reward")]
+
+
+def read_run(run_dir):
+    """{(metric, x): ([x], [y])} of a run, x being "step", or "tokens": the tokens trained on up to that step (the
+    running total of the logged steps' tokens; with --log-every N, N times that, an estimate)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    try:
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError) as error:
+        raise common.UsageError(f"{run_dir}: no readable metrics.jsonl ({common.error_reason(error)}): pass a "
+                                f"script's --out-dir") from None
+    config = Path(run_dir) / "config.json"
+    log_every = json.loads(config.read_text())["flags"].get("log_every", 1) if config.is_file() else 1
+    series, tokens = {}, 0
+    for row in rows:
+        tokens += row.get("tokens", 0) * log_every
+        for metric, value in row.items():
+            if metric not in ("step", "tokens") and isinstance(value, (int, float)):
+                series.setdefault((metric, "step"), ([], []))
+                series[metric, "step"][0].append(row["step"])
+                series[metric, "step"][1].append(value)
+                series.setdefault((metric, "tokens"), ([], []))
+                series[metric, "tokens"][0].append(tokens)
+                series[metric, "tokens"][1].append(value)
+    return series
+
+
+def plot(run_dirs, out):
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    runs = {Path(run_dir).name: read_run(run_dir) for run_dir in run_dirs}
+    panels = [panel for panel in PANELS if any(panel[:2] in series for series in runs.values())]
+    if not panels:
+        raise common.UsageError(f"none of {', '.join(map(str, run_dirs))} logged a metric to plot: pass runs that "
+                                f"trained at least one step")
+    figure, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
+    for axis, (metric, x, title) in zip(axes[0], panels):
+        for (name, series), style in zip(runs.items(), ["-", "--", ":", "-."] * len(runs)):
+            if (metric, x) in series:  # dashed and dotted lines keep equal curves visible on top of each other
+                axis.plot(*series[metric, x], style, label=name, linewidth=1.4)
+        axis.set(title=title, xlabel=x, ylabel=metric)
+        axis.ticklabel_format(axis="x", style="sci", scilimits=(-3, 4))  # token counts as 1e6, not 1000000
+        axis.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    figure.tight_layout()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+    return [f"{title} against {x}" for _, x, title in panels]
+
+
+def main():
+    parser = common.ArgumentParser(__doc__)
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="runs to overlay (their --out-dir)")
+    parser.add_argument("--out", required=True, help="the image file to write (.png, .svg or .pdf)")
+    args = parser.parse_args()
+    panels = plot(args.run_dirs, args.out)
+    print(f"wrote {args.out}: {'; '.join(panels)}")
+
+
+if __name__ == "__main__":
+    main()

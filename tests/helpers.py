@@ -61,6 +61,18 @@ def read_metrics(out_dir):
     return train, val
 
 
+def assert_same_steps(run, reference, steps, loss_abs, grad_norm_rel):
+    """Step by step, the same buckets, losses and grad norms; prints the largest differences and returns the
+    reference's rows (for what a test checks beyond)."""
+    train, ref = read_metrics(run)[0], read_metrics(reference)[0]
+    loss_difference = max(abs(train[step]["loss"] - ref[step]["loss"]) for step in steps)
+    norm_difference = max(abs(train[step]["grad_norm"] / ref[step]["grad_norm"] - 1) for step in steps)
+    print(f"largest differences: loss {loss_difference:.1e}, grad norm {norm_difference:.1e} (relative)")
+    assert all(train[step]["bucket_len"] == ref[step]["bucket_len"] for step in steps)
+    assert loss_difference <= loss_abs and norm_difference <= grad_norm_rel
+    return ref
+
+
 def copy_checkpoint(run_dir, step, new_run_dir):
     """A new --out-dir holding only checkpoint step_<STEP> of RUN_DIR, to --resume from."""
     import shutil

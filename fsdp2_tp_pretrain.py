@@ -149,8 +149,8 @@ if resume_dir is not None:
 
 
 def make_schedule(lengths, epoch, grad_accum, order):
-    return data.epoch_schedule(lengths, args.buckets, args.tokens_per_batch, dp_size, grad_accum, args.seed, epoch,
-                               order)
+    return data.epoch_schedule(lengths, args.buckets, args.tokens_per_batch, dp_size, grad_accum, args.seed,
+                               epoch, order)
 
 
 # ---------------------------------------------------------------------------------------------- evaluation

@@ -161,14 +161,14 @@ def stage_forward(hidden, decoder=model.module.model):  # token ids in on the fi
     return decoder.norm(hidden) if is_last else hidden
 
 
+model.module.forward = stage_forward  # what DDP calls
+
+
 def loss_fn(output, targets, scale):  # the last stage's: the chunked loss of the norm's output and the head
     return modeling.chunked_cross_entropy(output, model.module.lm_head.weight, targets) * scale
 
 
-pipeline_schedules = {}
-
-
-model.module.forward = stage_forward  # what DDP calls
+pipeline_schedules = {}  # bucket length -> the schedule of that shape's stage
 
 
 def run_pipeline(split, samples, bucket_len, scale, train):

@@ -169,7 +169,8 @@ def check_resume(resume_dir, args, data_order):
 
 def find_init_checkpoint(args):
     """--init-from: a checkpoint folder of the script this stage starts from (common.INIT_FROM), a run folder (its
-    newest one), or an export_hf.py folder (the SFT takes any; GRPO one exported from fsdp2_sft.py)."""
+    newest one), or an export_hf.py folder (the SFT takes any; GRPO one exported from fsdp2_sft.py). The SFT also
+    continues a chat model's (pipeline.py's control: more SFT)."""
     source = common.INIT_FROM[args.stage]
     path = Path(args.init_from or f"runs/{source}")
     checkpoint_dir = newest_checkpoint(path)
@@ -177,7 +178,8 @@ def find_init_checkpoint(args):
         raise common.UsageError(f"no complete {source}.py checkpoint at {path}: run `torchrun --standalone "
                                 f"--nproc_per_node=2 {source}.py` first, or pass --init-from")
     meta = read_meta(checkpoint_dir, "--init-from")
-    if not same_format(meta["script"], source) and not (meta.get("hf") and args.stage == "sft"):  # export: a model
+    more_sft = args.stage == "sft" and (meta.get("hf") or meta["script"] in common.CHAT_SCRIPTS)  # an export: a model
+    if not same_format(meta["script"], source) and not more_sft:
         why = " (its model never learned the chat format and its markers)" if args.stage == "grpo" else ""
         raise common.UsageError(f"--init-from {checkpoint_dir} was written by {meta['script']}.py{why}: this stage "
                                 f"starts from a {source}.py checkpoint")

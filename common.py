@@ -10,6 +10,7 @@ import json
 import math
 import operator
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -63,11 +64,14 @@ warnings.filterwarnings("ignore", message=".*_get_pg_default_device.*|Multiple b
 # ----------------------------------------------------------------------------------------------
 # Presets. Each one also carries the training defaults that fit it, per stage; any flag overrides them.
 
+# rope_theta, the RoPE base: Qwen2's 1,000,000 serves 32K-token contexts; within the few dozen tokens of a CPU preset's
+# sample its rotations barely turn, and the small SFT then took 2-3x the steps to learn to copy operands, how many
+# depending on the seed. 10,000 (the base of contexts up to a few thousand tokens) for the CPU presets.
 MODEL_PRESETS = {
     # Two layers, for tests: a step takes milliseconds on a CPU.
     "tiny": dict(
         model=dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2),
+                   num_key_value_heads=2), rope_theta=10_000.0,
         train=dict(buckets=[32, 48, 64, 96, 128], tokens_per_batch=512, lr=3e-3, warmup_steps=5, max_steps=20,
                    eval_every=10, save_every=10),
         sft=dict(buckets=[64, 96, 128], tokens_per_batch=512, lr=1e-3, warmup_steps=5, max_steps=20, eval_every=10,
@@ -78,20 +82,20 @@ MODEL_PRESETS = {
     # The default: learns visibly in a few minutes on a 2-core laptop CPU.
     "small": dict(
         model=dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-                   num_key_value_heads=2),
+                   num_key_value_heads=2), rope_theta=10_000.0,
         train=dict(buckets=[32, 48, 64, 96, 128, 192, 256], tokens_per_batch=1024, lr=3e-3, warmup_steps=10,
                    max_steps=120, eval_every=40, save_every=40),
-        sft=dict(buckets=[68, 96], tokens_per_batch=512, lr=3e-3, warmup_steps=30, max_steps=2000, eval_every=500,
-                 save_every=1000),
-        # RL starts from the SFT half-way (step 1000 of 2000), which answers part of the problems: the reward has
-        # room to teach. A constant rate: decayed, or 1.5x higher, it ended lower in the same 10 minutes (docs/rl.md).
-        grpo=dict(buckets=[72], tokens_per_batch=2304, lr=1e-4, min_lr_ratio=1.0, warmup_steps=5, max_steps=130,
-                  eval_every=50, save_every=65, prompts_per_step=4, init_from="runs/fsdp2_sft/checkpoints/step_1000"),
+        sft=dict(buckets=[68, 96], tokens_per_batch=512, lr=3e-3, warmup_steps=30, max_steps=600, eval_every=600,
+                 save_every=300),
+        # RL on the built-in RL set (shapes the SFT never saw), from the finished SFT; a bucket holds a four-operation
+        # chain (85 tokens) and a step's 32 replies are one micro-batch.
+        grpo=dict(buckets=[96], tokens_per_batch=6144, lr=1e-4, min_lr_ratio=1.0, warmup_steps=5, max_steps=50,
+                  eval_every=25, save_every=25, prompts_per_step=8),
     ),
     # The recipe: Qwen2-0.5B shapes with the GPT-2 vocabulary (402,970,496 parameters, tied embeddings).
     "qwen2-0.5b": dict(
         model=dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                   num_key_value_heads=2),
+                   num_key_value_heads=2), rope_theta=1_000_000.0,
         train=dict(buckets=[256, 512, 1024, 1536, 2048], tokens_per_batch=16384, lr=3e-4, warmup_steps=200,
                    max_steps=5000, eval_every=250, save_every=500),
         sft=dict(buckets=[512, 1024, 2048, 4096, 8192], tokens_per_batch=16384, lr=5e-5, warmup_steps=50,
@@ -101,6 +105,7 @@ MODEL_PRESETS = {
     ),
 }
 INIT_FROM = {"sft": "fsdp2_pretrain", "grpo": "fsdp2_sft"}  # the script whose checkpoint each later stage starts from
+CHAT_SCRIPTS = ("fsdp2_sft", "fsdp2_grpo")  # their models know the chat format and its markers
 
 
 def preset_defaults(model, stage):
@@ -246,9 +251,13 @@ def get_parser(description, default_out_dir, stage="train"):
         add("--eval-generate", type=NON_NEGATIVE_INT, default=200,
             help="held-out problems answered by greedy generation at each evaluation (answer accuracy)")
     if stage == "grpo":
-        add("--group-size", type=COUNT, default=8,
-            help="replies sampled per prompt: each is rewarded against the others of its group")
-        add("--prompts-per-step", type=COUNT, default=None, help="prompts per rank per optimizer step")
+        add("--group-size", type=number(int, at_least=2), default=8, help="replies sampled per prompt: each is "
+            "rewarded against the others of its group (at least 2: a lone reply has no group, its advantage is 0)")
+        add("--prompts-per-step", type=COUNT, default=None, help="prompts per rank per optimizer step (at most the "
+            "training prompts / ranks)")
+        add("--reward", choices=REWARDS, default="final-number", help="how a reply is checked against the reference "
+            "answer: final-number, the last number between its solution markers (else in the whole reply); exact-text, "
+            "the text between its solution markers")
     return parser
 
 
@@ -415,6 +424,30 @@ def init_process_group(device):
 # ----------------------------------------------------------------------------------------------
 # Answers and rewards: the text a reply answers with (the SFT's accuracy, GRPO's reward); GRPO's advantage.
 
+REWARDS = ["final-number", "exact-text"]  # GRPO's --reward: how a reply is checked against the reference
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")  # 72, -3, 1,000, 2.5
+
+
+def final_number(text):
+    """The last number in a text, as a float (so "1,000" and "1000.0" are equal), or None."""
+    numbers = NUMBER.findall(text or "")
+    return float(numbers[-1].replace(",", "")) if numbers else None
+
+
+def reply_answer(tokenizer, token_ids, reward):
+    """What a reply answers, as --reward compares it: the text between its solution markers (exact-text), or the
+    last number there, else the last in the whole reply (final-number). None: no answer."""
+    text = solution_text(tokenizer, token_ids)
+    if reward == "exact-text":
+        return text
+    return final_number(text if text is not None else decode(tokenizer, token_ids))
+
+
+def decode(tokenizer, token_ids):
+    """The text of token ids; the vocabulary's unused padding rows, which sampling can pick, decode to nothing."""
+    return tokenizer.decode([token for token in token_ids if token <= tokenizer.max_token_value])
+
+
 def solution_text(tokenizer, token_ids):
     """The text between the solution markers of a reply, or None: what the built-in set's accuracy compares."""
     token_ids = list(token_ids)
@@ -422,7 +455,7 @@ def solution_text(tokenizer, token_ids):
     if begin not in token_ids or end not in token_ids[token_ids.index(begin):]:
         return None
     start = token_ids.index(begin) + 1
-    return tokenizer.decode(token_ids[start:token_ids.index(end, start)]).strip()
+    return decode(tokenizer, token_ids[start:token_ids.index(end, start)]).strip()
 
 
 def group_advantages(rewards, group_size):

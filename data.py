@@ -61,6 +61,7 @@ def open_prepared(folder, tokenizer, kind):
         raise common.UsageError(f"--data {folder} was tokenized with another tokenizer "
                                 f"({meta['tokenizer'].get('name')}, other BPE files or markers): prepare it again with "
                                 f"this prepare_data.py")
+    kind = "pretrain" if kind == "pretrain" else "sft"  # RL problems are stored as conversations
     if meta["kind"] != kind:
         raise common.UsageError(f"--data {folder} holds {meta['kind']} data, this script trains on {kind} data: "
                                 f"prepare_data.py{' --sft' if kind == 'sft' else ''} writes that kind")
@@ -127,10 +128,10 @@ def load_pretraining_data(args, tokenizer):
     return split(np.flatnonzero(~is_val)), split(np.flatnonzero(is_val))
 
 
-def load_sft_data(args, tokenizer):
+def load_sft_data(args, tokenizer, kind="sft"):
     """Train and validation Splits of encoded conversations, each cut to the largest bucket (its first tokens still
-    teach); conversations with no target within that length are left out."""
-    corpus = open_prepared(prepared_folder(args, tokenizer, "sft"), tokenizer, "sft")
+    teach); conversations with no target within that length are left out. kind "rl": 'builtin' is the RL set."""
+    corpus = open_prepared(prepared_folder(args, tokenizer, kind), tokenizer, kind)
     starts, lengths = np.asarray(corpus.offsets[:-1]), np.diff(corpus.offsets)
     cut = np.minimum(lengths, args.buckets[-1])
     # Targets per conversation: its mask's sum, less its first token's (a first token is never predicted).
@@ -146,15 +147,16 @@ def load_sft_data(args, tokenizer):
     return split(~is_val & (target_counts > 0)), split(is_val & (target_counts > 0))
 
 
-def answer_prompts(tokenizer, split, limit):
+def answer_prompts(tokenizer, split, limit, reward="exact-text"):
     """Up to `limit` (prompt, reference answer) pairs of a split: the prompt is a conversation up to and with
-    its last <|assistant|> marker; the answer is the reference reply's text between the solution markers.
-    Conversations whose reply has no solution markers are left out. Also returns a reply-length bound."""
+    its last <|assistant|> marker; the answer is the reference reply's, as common.reply_answer reads it with
+    `reward` (exact-text: the text between the solution markers). Conversations whose reply has none are left out.
+    Also returns a reply-length bound."""
     prompts, answers, longest = [], [], 0
     for i in range(min(limit, len(split.lengths))):
         tokens = sample_tokens(split, i)
         start = len(tokens) - list(tokens[::-1]).index(common.SPECIAL_TOKENS[common.ROLE_MARKERS["assistant"]])
-        answer = common.solution_text(tokenizer, tokens[start:])
+        answer = common.reply_answer(tokenizer, tokens[start:], reward)
         if answer is not None:
             prompts.append(tokens[:start].tolist())
             answers.append(answer)
@@ -251,6 +253,10 @@ def data_order(args, train, val, world_size):
         raise common.UsageError("the validation split is empty: use more --data or a larger --val-fraction")
     order = {"data_sha256": train.content_sha256, "val_fraction": args.val_fraction, "buckets": args.buckets,
              "seed": args.seed, "world_size": world_size}
+    if args.stage == "grpo" and args.prompts_per_step * world_size > len(train.lengths):
+        raise common.UsageError(f"--prompts-per-step {args.prompts_per_step} x {world_size} ranks is more than the "
+                                f"{len(train.lengths):,} training prompts: at most "
+                                f"{len(train.lengths) // world_size:,} per rank")
     if args.stage == "grpo":  # its steps take prompts, prompts_per_step on each rank, whatever their length
         return {**order, "prompts_per_step": args.prompts_per_step,
                 "samples_per_step": [args.prompts_per_step * world_size]}

@@ -40,9 +40,7 @@ import prepare_data
 
 TASKS = ["prose_bpb", "arith_choice", "arith_gen", "arith_2op", "arith_4op", "arith_reworded"]
 CHAT_TASKS = ["arith_gen", "arith_2op", "arith_4op", "arith_reworded"]
-CHAT_SCRIPTS = ("fsdp2_sft", "fsdp2_grpo")
 VAL_FRACTION = 0.05  # the scripts' default --val-fraction, for a checkpoint that does not record its own
-REPHRASINGS = ["What is {}?", "Calculate {}.", "Find the value of {}.", "{} = ?"]  # the built-in set: "Compute {}."
 FEW_SHOT = 3  # solved problems before the question, for a pretrained model
 Z = 1.959964  # the normal distribution's 97.5% point: 95% intervals
 
@@ -157,14 +155,14 @@ def problem(record, question=None):
 
 def task_problems(task, args):
     """The problems of one arithmetic task, at most args.limit; deterministic."""
-    if task in ("arith_2op", "arith_4op"):  # never in any training data: the built-in set's chains are of three
-        return [problem(record) for record in prepare_data.builtin_reasoning_records(
-            min(args.limit, 500), seed=1000, operations=int(task[6]))]  # 500: as many as a held-out split holds
+    if task in ("arith_2op", "arith_4op"):  # in no training data: SFT chains are of three, the RL set avoids these
+        return [problem(record) for record in prepare_data.builtin_reasoning_records(  # 500: as a held-out split holds
+            min(args.limit, 500), prepare_data.HELD_OUT_SEED, operations=int(task[6]))]
     records = held_out(prepare_data.builtin_reasoning_records(), args.val_fraction)[:args.limit]
     if task != "arith_reworded":
         return [problem(record) for record in records]
     # Each problem in another phrasing, in turn: "Compute 3 + 4 - 2 + 1." becomes "What is 3 + 4 - 2 + 1?", ...
-    return [problem(record, REPHRASINGS[i % len(REPHRASINGS)].format(
+    return [problem(record, prepare_data.REPHRASINGS[i % len(prepare_data.REPHRASINGS)].format(
         record["conversations"][0]["value"].removeprefix("Compute ").removesuffix(".")))
         for i, record in enumerate(records)]
 
@@ -290,7 +288,7 @@ def evaluate(args):
     meta = checkpoints.read_meta(checkpoint_dir, "PATH")
     # Held out: the split the checkpoint's own run validated on (at the default, every default run's).
     args.val_fraction = meta.get("config", {}).get("val_fraction", VAL_FRACTION)
-    chat = meta["script"] in CHAT_SCRIPTS
+    chat = meta["script"] in common.CHAT_SCRIPTS
     tasks = args.tasks or [task for task in TASKS if chat or task not in CHAT_TASKS]
     if not chat and any(task in CHAT_TASKS for task in tasks):
         raise common.UsageError(f"--tasks {','.join(t for t in tasks if t in CHAT_TASKS)} needs a chat model "

@@ -1,10 +1,12 @@
 """Reinforce the finetuned model with FSDP2 from verifiable rewards (GRPO-style): sample replies, reward right answers.
 
     torchrun --standalone --nproc_per_node=2 fsdp2_grpo.py                    # after fsdp2_sft.py; builtin problems
-    torchrun --standalone --nproc_per_node=8 fsdp2_grpo.py --model qwen2-0.5b --data data/openthoughts
+    torchrun --standalone --nproc_per_node=8 fsdp2_grpo.py --model qwen2-0.5b --data data/gsm8k
 
-data/openthoughts is OpenThoughts-114k, tokenized once by prepare_data.py --sft (its docstring says how); the model
-starts from the newest checkpoint under runs/fsdp2_sft unless --init-from names another.
+data/gsm8k is GSM8K's training problems, tokenized once by prepare_data.py --sft (its docstring says how): rows of a
+question and an answer, or of a prompt and an answer, or conversations. The built-in problems are answer-only too, of
+shapes the built-in SFT set never shows. The model starts from the newest checkpoint under runs/fsdp2_sft unless
+--init-from names another.
 """
 import json
 import os
@@ -50,16 +52,16 @@ init_dir = checkpoints.find_init_checkpoint(args) if resume_dir is None else Non
 
 # ---------------------------------------------------------------------------------------------- data
 tokenizer = common.get_chat_tokenizer()  # GPT-2 BPE plus the role and reasoning markers
-# Conversations with reference replies: the prompts and their answers.
-train, val = data.load_sft_data(args, tokenizer)
+# Problems with reference answers (a conversation's reply, or a bare answer): the prompts and their answers.
+train, val = data.load_sft_data(args, tokenizer, kind="rl")
 data_order = data.data_order(args, train, val, world_size)  # what the sample order depends on (checked: enough samples)
 checkpoints.check_resume(resume_dir, args, data_order)  # --resume: the same data order; says which other flags changed
-# A prompt is a conversation up to its last <|assistant|>; its answer, the reference reply's text between the
-# solution markers.
-train_prompts, train_answers, _ = data.answer_prompts(tokenizer, train, len(train.lengths))
+# A prompt is a conversation up to its last <|assistant|>; its answer, the reference reply's as --reward reads it.
+train_prompts, train_answers, _ = data.answer_prompts(tokenizer, train, len(train.lengths), args.reward)
 if not train_prompts:
-    raise common.UsageError(f"--data {args.data}: no reply has an answer between <|begin_of_solution|> and "
-                            f"<|end_of_solution|>, so nothing can be rewarded")
+    where = "between <|begin_of_solution|> and <|end_of_solution|>" + ", or a number" * (args.reward == "final-number")
+    raise common.UsageError(f"--reward {args.reward} finds no answer in any reference reply of --data {args.data} "
+                            f"({where}): nothing can be rewarded; check --data and --reward")
 
 # ---------------------------------------------------------------------------------------------- distributed
 # Every input check is behind us: from here on the ranks talk to each other.
@@ -153,8 +155,8 @@ def prompt_schedule(epoch):  # all prompts as one bucket of length 1: a step tak
 
 # ---------------------------------------------------------------------------------------------- evaluation
 val_schedule = make_schedule(val.lengths, 0, 1, "ascending")
-# Answer accuracy: greedy replies to held-out prompts, compared with the reference between the solution markers.
-val_prompts, val_answers, max_reply_tokens = data.answer_prompts(tokenizer, val, args.eval_generate)
+# Answer accuracy: greedy replies to held-out prompts, checked against the reference as the reward checks them.
+val_prompts, val_answers, max_reply_tokens = data.answer_prompts(tokenizer, val, args.eval_generate, args.reward)
 
 
 @torch.no_grad()
@@ -169,7 +171,8 @@ def evaluate():
     mine = list(range(rank, len(val_prompts), world_size))  # each rank answers its share, in one batch
     prompts = [val_prompts[i] for i in mine]
     replies = modeling.generate_replies(model, prompts, max_reply_tokens, synced=True) if val_prompts else []
-    correct = sum(common.solution_text(tokenizer, reply) == val_answers[i] for i, reply in zip(mine, replies))
+    answers = [common.reply_answer(tokenizer, reply, args.reward) for reply in replies]  # as the reward reads them
+    correct = sum(answer == val_answers[i] for i, answer in zip(mine, answers))
     correct = torch.tensor(float(correct), device=device)
     dist.all_reduce(loss_sum)
     dist.all_reduce(correct)
@@ -234,19 +237,22 @@ while step < args.max_steps:
     torch.manual_seed(int(np.random.SeedSequence([args.seed, rank, step]).generate_state(1)[0]))
     with torch.no_grad():  # synced: all ranks step until all are done, as the gathers at the first token are collective
         max_new_tokens = bucket_len - max(map(len, prompts))
-        replies = modeling.generate_replies(model, prompts, max_new_tokens, temperature=1.0, top_k=0, synced=True)
+        replies = [reply for start in range(0, len(prompts), batch_size)  # a micro-batch at a time: bounded memory
+                   for reply in modeling.generate_replies(model, prompts[start:start + batch_size], max_new_tokens,
+                                                          temperature=1.0, top_k=0, synced=True)]
     model.set_reshard_after_forward(args.reshard_after_forward)
     for module in [*model.model.layers, model]:
         module.reshard()  # back to shards for training: the gathered copies are freed
     model.train()
-    # Reward 1 for the reference answer between the solution markers, else 0 (no markers, or cut short: 0).
-    answers = [common.solution_text(tokenizer, reply) for reply in replies]  # None: no pair of solution markers
+    # Reward 1 for the reference answer, as --reward reads replies, else 0 (none, or cut short: 0).
+    answers = [common.reply_answer(tokenizer, reply, args.reward) for reply in replies]  # None: no answer
     rewards = torch.tensor([float(answer == train_answers[i]) for i, answer in zip(mine, answers)])
     advantages = common.group_advantages(rewards, args.group_size)  # reward minus its group's mean; all equal: all 0
     rollouts = rollout_split(prompts, replies)
     groups = rewards.view(-1, args.group_size)
     flat = (groups.max(1).values == groups.min(1).values).sum()  # groups whose rewards are all equal
-    stats = torch.tensor([rewards.sum(), len(rewards), flat, len(groups), sum(answer is not None for answer in answers),
+    with_markers = sum(common.solution_text(tokenizer, reply) is not None for reply in replies)
+    stats = torch.tensor([rewards.sum(), len(rewards), flat, len(groups), with_markers,
                           rollouts.target_counts.sum(), rollouts.lengths.sum()], dtype=torch.float64, device=device)
     dist.all_reduce(stats)  # the step's totals over all ranks: rewards, groups, reply tokens (the loss's denominator)
     reward_sum, n_replies, flat_groups, n_groups, with_markers, target_tokens, tokens = stats.tolist()

@@ -88,7 +88,7 @@ elif init_dir is not None:
     model_state = get_model_state_dict(model)  # this rank's shards: DCP reads only those, nothing is gathered
     dcp.load(model_state, checkpoint_id=init_dir / "model")
     set_model_state_dict(model, model_state)
-if init_dir is not None:
+if init_dir is not None and checkpoints.read_meta(init_dir, "--init-from")["script"] not in common.CHAT_SCRIPTS:
     # The marker rows (50,257 and up) were never trained: start them at the mean of the real token rows, so
     # their logits start at an average token's, plus tiny noise so that they differ from each other.
     with torch.no_grad():

@@ -19,7 +19,8 @@ def build_model(preset, activation_checkpointing="full"):
 
     config = Qwen2Config(
         vocab_size=VOCAB_SIZE, **MODEL_PRESETS[preset]["model"],
-        max_position_embeddings=32_768, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        max_position_embeddings=32_768, rope_parameters={"rope_type": "default",
+                                                         "rope_theta": MODEL_PRESETS[preset]["rope_theta"]},
         rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.02,
         bos_token_id=EOT_ID, eos_token_id=EOT_ID, pad_token_id=EOT_ID, use_cache=False,
         attn_implementation="sdpa",
@@ -151,7 +152,7 @@ def local_state_sizes(model, optimizer):
 def generate_replies(model, prompts, max_new_tokens, temperature=0.0, top_k=None, synced=False):
     """Continue every prompt (a list of token lists) with transformers' own generate, batched with left
     padding; stops at <|end_of_turn|>. synced=True keeps every rank stepping until all are done, as sharded
-    models need (each forward is collective). Returns the new tokens of each prompt."""
+    models need (each forward is collective). Returns the new tokens of each prompt, up to and with its stop token."""
     if not prompts:
         prompts, drop = [[EOT_ID]], True  # a rank with no prompt still has to join the collective forwards
     else:
@@ -165,5 +166,7 @@ def generate_replies(model, prompts, max_new_tokens, temperature=0.0, top_k=None
         output = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
                                 eos_token_id=[SPECIAL_TOKENS[END_OF_TURN], EOT_ID], pad_token_id=EOT_ID,
                                 use_cache=True, synced_gpus=synced, **sampling)
+    stops = (SPECIAL_TOKENS[END_OF_TURN], EOT_ID)  # generate pads a finished reply to the longest with EOT: cut that
     replies = [row[width:].tolist() for row in output]
+    replies = [next((reply[:i + 1] for i, token in enumerate(reply) if token in stops), reply) for reply in replies]
     return [] if drop else replies

@@ -4,6 +4,7 @@ r"""Tokenize a corpus once into memory-mapped files: what the training scripts r
         --out-dir data/fineweb-edu
     torchrun --standalone --nproc_per_node=8 fsdp2_pretrain.py --model qwen2-0.5b --data data/fineweb-edu
     python prepare_data.py --sft --data open-thoughts/OpenThoughts-114k --max-docs 0 --out-dir data/openthoughts
+    python prepare_data.py --sft --data openai/gsm8k --data-config main --max-docs 0 --out-dir data/gsm8k  # for GRPO
 
 A prepared folder holds
     tokens.bin       uint16 token ids, the documents one after another (pretraining: each followed by <|endoftext|>)
@@ -112,6 +113,33 @@ def builtin_reasoning_records(n=10_000, seed=0, operations=3):
         records.append({"system": common.BUILTIN_SYSTEM_PROMPT, "conversations": [
             {"from": "user", "value": question}, {"from": "assistant", "value": answer}]})
     return records
+
+
+REPHRASINGS = ["What is {}?", "Calculate {}.", "Find the value of {}.", "{} = ?"]  # the built-in set: "Compute {}."
+HELD_OUT_SEED = 1000  # seeds evaluate.py's chains of two and four operations, which no training set holds
+
+
+def builtin_rl_records():
+    """Answer-only problems of shapes the built-in SFT set never shows, for fsdp2_grpo.py: chains of two and of four
+    operations, and chains of three (none of the SFT's 10,000) asked in other words. Each row is a prompt and its
+    answer, no worked solution. evaluate.py's held-out problems of these shapes are left out."""
+    import random
+
+    held_out = {record["conversations"][0]["value"] for operations in (2, 4)
+                for record in builtin_reasoning_records(500, HELD_OUT_SEED, operations)}
+    records = [*builtin_reasoning_records(1089, seed=2000, operations=2),  # 1,089: 90% of the 1,210 there are
+               *builtin_reasoning_records(3000, seed=2000, operations=4)]
+    records = [record for record in records if record["conversations"][0]["value"] not in held_out]
+    sft_set = builtin_reasoning_records(11_979)  # its first 10,000 are the SFT's; the rest, what it never saw
+    questions = [record["conversations"][0]["value"] for record in records]
+    questions += [REPHRASINGS[i % len(REPHRASINGS)].format(record["conversations"][0]["value"][8:-1])
+                  for i, record in enumerate(sft_set[10_000:])]  # "Compute 3 + 4 - 2." -> "What is 3 + 4 - 2?"
+    answers = [record["conversations"][1]["value"].split("The answer is ")[1].split(".")[0]
+               for record in [*records, *sft_set[10_000:]]]
+    rows = [{"system": common.BUILTIN_SYSTEM_PROMPT, "prompt": question, "answer": answer}
+            for question, answer in zip(questions, answers)]
+    random.Random(0).shuffle(rows)  # the shapes mixed, so that a validation split holds each
+    return rows
 
 
 def looks_local(data):
@@ -234,17 +262,26 @@ def pretraining_texts(args):
 
 
 def conversation_messages(row, data):
-    """[(role, text), ...] from a row in the OpenThoughts schema (system + conversations of {from, value})
-    or the messages schema ({role, content})."""
+    """[(role, text), ...] from a row in the OpenThoughts schema (system + conversations of {from, value}), the
+    messages schema ({role, content}), or an answer-only problem: {prompt, answer} or GSM8K's {question, answer}
+    (its answer after "####"), whose reply is the bare answer between the solution markers."""
+    messages = [("system", row["system"])] if row.get("system") else []
     if isinstance(row.get("conversations"), list):
-        messages = [("system", row["system"])] if row.get("system") else []
         turns = [(turn.get("from"), turn.get("value")) for turn in row["conversations"]]
         messages += [({"human": "user", "gpt": "assistant"}.get(role, role), text) for role, text in turns]
     elif isinstance(row.get("messages"), list):
         messages = [(turn.get("role"), turn.get("content")) for turn in row["messages"]]
+    elif "prompt" in row or "question" in row:
+        answer = row.get("answer")
+        if not isinstance(answer, (str, int, float)) or not str(answer).rsplit("####", 1)[-1].strip():
+            raise common.UsageError(f"--data {data}: a row has a {'prompt' if 'prompt' in row else 'question'} but "
+                                    f"no 'answer' to check replies against")
+        answer = str(answer).rsplit("####", 1)[-1].strip()  # GSM8K: the worked solution, then "#### 72"
+        messages += [("user", row.get("prompt", row.get("question"))),
+                     ("assistant", f"<|begin_of_solution|>\n\n{answer}\n\n<|end_of_solution|>")]
     else:
-        raise common.UsageError(f"--data {data}: a row has neither 'conversations' (OpenThoughts) nor 'messages' "
-                                f"(columns: {', '.join(row)})")
+        raise common.UsageError(f"--data {data}: a row has none of 'conversations' (OpenThoughts), 'messages', "
+                                f"'prompt' or 'question' (columns: {', '.join(row)})")
     for role, text in messages:
         if role not in common.ROLE_MARKERS or not isinstance(text, str):
             raise common.UsageError(f"--data {data}: a turn has role {role!r} (expected system, user or assistant) "
@@ -254,9 +291,14 @@ def conversation_messages(row, data):
     return messages
 
 
-def sft_conversations(args):
-    """Batches of conversations [(role, text), ...], each row checked against the two schemas."""
-    batches = batched(builtin_reasoning_records()) if args.data == "builtin" else read_rows(args)
+def builtin_records(kind):
+    """The built-in set of a kind of conversation data: "sft" reasoning conversations, "rl" answer-only problems."""
+    return builtin_reasoning_records() if kind == "sft" else builtin_rl_records()
+
+
+def sft_conversations(args, kind="sft"):
+    """Batches of conversations [(role, text), ...], each row checked against the schemas."""
+    batches = batched(builtin_records(kind)) if args.data == "builtin" else read_rows(args)
     for rows in batches:
         yield [conversation_messages(row, args.data) for row in rows]
 
@@ -317,8 +359,8 @@ def source_identity(args, kind):
     """What the prepared tokens are a function of: --cache-dir names its folders by this."""
     if args.data == "builtin" and kind == "pretrain":  # the text comes from this very interpreter
         source = ["builtin", sys.version]
-    elif args.data == "builtin":  # the SFT set, from its generator
-        source = ["builtin", hashlib.sha256(json.dumps(builtin_reasoning_records()).encode()).hexdigest()]
+    elif args.data == "builtin":  # the SFT or RL set, from its generator
+        source = ["builtin", hashlib.sha256(json.dumps(builtin_records(kind)).encode()).hexdigest()]
     elif looks_local(args.data) and Path(args.data).expanduser().exists():
         source = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in data_files(args.data)]
     else:
@@ -340,7 +382,8 @@ def remove_stale_partials(out_dir):
 
 
 def prepare(args, kind, out_dir, workers, progress=True):
-    """Tokenize --data into the prepared folder out_dir (kind: "pretrain" or "sft"). Returns its meta."""
+    """Tokenize --data into the prepared folder out_dir (kind: "pretrain", "sft" or "rl"; the last two differ only in
+    what 'builtin' is, and are stored alike as "sft"). Returns its meta."""
     from tqdm import tqdm
 
     out_dir = Path(out_dir)
@@ -352,7 +395,8 @@ def prepare(args, kind, out_dir, workers, progress=True):
     if kind == "pretrain":
         batches, encode, tokenizer = pretraining_texts(args), encode_documents, common.get_tokenizer()
     else:
-        batches, encode, tokenizer = sft_conversations(args), encode_conversations, common.get_chat_tokenizer()
+        batches, encode, tokenizer = sft_conversations(args, kind), encode_conversations, common.get_chat_tokenizer()
+        kind = "sft"
     names = ["tokens.bin"] + (["loss_mask.bin"] if kind == "sft" else [])
     digests, lengths = {name: hashlib.sha256() for name in names}, []
     try:

@@ -39,9 +39,9 @@ BAD_INPUTS = {  # case: (script, flags, ranks, words the error line must hold: t
     "more ranks than samples":
         ("ddp_pretrain.py", ["--model", "tiny", "--data", "{tmp}/two_docs.jsonl"], 2,
          ["--data", "fewer than the 2 ranks"]),
-    "SFT rows in neither schema":
-        ("fsdp2_sft.py", ["--model", "tiny", *SFT_INIT, "--data", "{tmp}/prompt_response.jsonl"], 1,
-         ["--data", "neither"]),
+    "SFT rows in no schema":
+        ("fsdp2_sft.py", ["--model", "tiny", *SFT_INIT, "--data", "{tmp}/input_output.jsonl"], 1,
+         ["--data", "none of"]),
     "SFT turn with an unknown role":
         ("fsdp2_sft.py", ["--model", "tiny", *SFT_INIT, "--data", "{tmp}/tool_role.jsonl"], 1, ["--data", "'tool'"]),
     "SFT conversation with no assistant turn":
@@ -109,7 +109,18 @@ BAD_INPUTS = {  # case: (script, flags, ranks, words the error line must hold: t
         ("fsdp2_grpo.py", ["--model", "tiny", *SFT_INIT], 1, ["--init-from", "fsdp2_pretrain.py", "chat format"]),
     "GRPO data with no reference answers":
         ("fsdp2_grpo.py", ["--model", "tiny", "--init-from", "{tmp}/sft", "--data", "{tmp}/no_solution.jsonl"], 1,
-         ["--data", "<|begin_of_solution|>"]),
+         ["--reward final-number", "--data", "<|begin_of_solution|>"]),
+    "GRPO rows with a prompt and no answer":
+        ("fsdp2_grpo.py", ["--model", "tiny", "--init-from", "{tmp}/sft", "--data", "{tmp}/prompt_response.jsonl"], 1,
+         ["--data", "no 'answer'"]),
+    "GRPO final-number reward on answers with no number":
+        ("fsdp2_grpo.py", ["--model", "tiny", "--init-from", "{tmp}/sft", "--data", "{tmp}/spelling.jsonl"], 1,
+         ["--reward final-number", "finds no answer"]),
+    "GRPO group of one reply":
+        ("fsdp2_grpo.py", ["--model", "tiny", "--group-size", 1], 1, ["--group-size", "at least 2"]),
+    "GRPO more prompts per step than the data holds":
+        ("fsdp2_grpo.py", ["--model", "tiny", "--init-from", "{tmp}/sft", "--prompts-per-step", 100000], 1,
+         ["--prompts-per-step 100000", "at most"]),
     "GRPO resume with other prompts per step":
         ("fsdp2_grpo.py", [*TINY_RUN, *SFT_DATA, "--prompts-per-step", 3, "--out-dir", "{tmp}/grpo10", "--resume"],
          1, ["--prompts-per-step 3", "as it was"]),
@@ -128,6 +139,9 @@ def bad_input_files(tmp_path_factory, tiny_run):
     (tmp / "content.jsonl").write_text(json.dumps({"content": "some text"}) + "\n")
     (tmp / "two_docs.jsonl").write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(2)))
     (tmp / "prompt_response.jsonl").write_text(json.dumps({"prompt": "2 + 2?", "response": "4"}) + "\n")
+    (tmp / "input_output.jsonl").write_text(json.dumps({"input": "2 + 2?", "output": "4"}) + "\n")
+    (tmp / "spelling.jsonl").write_text("".join(json.dumps({"prompt": f"Spell word {i}.", "answer": "w-o-r-d"}) + "\n"
+                                                for i in range(20)))
     turns = [{"role": "user", "content": "2 + 2?"}, {"role": "tool", "content": "4"},
              {"role": "assistant", "content": "4"}]
     (tmp / "tool_role.jsonl").write_text(json.dumps({"messages": turns}) + "\n")
@@ -152,9 +166,8 @@ def bad_input_files(tmp_path_factory, tiny_run):
 
 # One case per script and per way an error ends a run (argparse, a usage error, on 2 ranks): run as commands too.
 COMMAND_LINE = ["step count that is not a number", "data path that does not exist", "more ranks than samples",
-                "resume another strategy's checkpoint", "SFT rows in neither schema",
-                "GRPO data with no reference answers", "TP degree that does not divide the world size",
-                "PP degree that does not divide the layers"]
+                "resume another strategy's checkpoint", "SFT rows in no schema",
+                "GRPO data with no reference answers"]  # TP's and PP's: argparse-free usage errors, as the others
 
 
 class ReachedACollective(Exception):

@@ -44,8 +44,8 @@ def test_help_shows_every_flags_default_and_keeps_the_commands_lines(script, hel
         assert "default" in block, f"{script} {flag}: {block}"
         assert "default: None" not in block, f"{script} {flag}: {block}"
     # A flag the preset fills says what each preset gives it.
-    max_steps = {"train": "tiny: 20, small: 120, qwen2-0.5b: 5000", "sft": "tiny: 20, small: 2000, qwen2-0.5b: 2000",
-                 "grpo": "tiny: 20, small: 130, qwen2-0.5b: 500"}[STAGES[script]]
+    max_steps = {"train": "tiny: 20, small: 120, qwen2-0.5b: 5000", "sft": "tiny: 20, small: 600, qwen2-0.5b: 2000",
+                 "grpo": "tiny: 20, small: 50, qwen2-0.5b: 500"}[STAGES[script]]
     assert f"(default by --model: {max_steps})" in blocks["--max-steps"]
     assert "small: 32,48,64,96,128,192,256" in blocks["--buckets"] or STAGES[script] != "train"
     assert "{tiny,small,qwen2-0.5b}" in blocks["--model"]
@@ -81,7 +81,7 @@ def test_grpo_accepts_no_flag_it_does_not_honour(capsys, help_texts):
     ("train", ["--max-tokens", "0"], "argument --max-tokens: must be at least 1, got 0"),
     ("train", ["--buckets", "1,64"], "argument --buckets: every bucket must hold at least 2 tokens"),
     ("sft", ["--eval-generate", "-5"], "argument --eval-generate: must be at least 0, got -5"),
-    ("grpo", ["--group-size", "0"], "argument --group-size: must be at least 1, got 0"),
+    ("grpo", ["--group-size", "1"], "argument --group-size: must be at least 2, got 1"),
 ])
 def test_a_flag_out_of_its_range_is_one_line_naming_it(stage, flags, words, capsys):
     with pytest.raises(SystemExit) as exit:

@@ -96,6 +96,9 @@ def test_imports_run_one_way_with_no_cycle():
     for script in [*TRAINING_SCRIPTS, *TOOLS]:
         stem = script.removesuffix(".py")
         assert graph[stem] <= set(SHARED_IMPORTS), f"{script} imports {sorted(graph[stem] - set(SHARED_IMPORTS))}"
+    # pipeline.py runs the others: the training scripts as commands, evaluate.py and plot.py as modules; none imports it
+    assert graph["pipeline"] <= {*SHARED_IMPORTS, "evaluate", "plot"}
+    assert not any("pipeline" in imported for imported in graph.values())
 
     def visit(module, path):  # depth first: meeting a module already on the path is a cycle
         assert module not in path, f"import cycle: {' -> '.join([*path, module])}"

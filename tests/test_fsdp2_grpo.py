@@ -1,13 +1,17 @@
 """fsdp2_grpo.py on CPU with gloo. The exactness tests fix the rollouts through tests/fixed_rollouts.py (which
 patches the library calls and runs the script unchanged); the crash tests (test_crash.py) kill it mid-rollout and
 resume it."""
+import argparse
 import json
+import re
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 import common
+import evaluate
 import prepare_data
 from helpers import SFT_DATA, TINY_RUN, check, model_tensors, read_metrics, run_script
 
@@ -21,10 +25,26 @@ def fixed(mode, *flags, nproc=2, advantages=None):
 
 
 def builtin_prompt_tokens():
-    """The shortest built-in prompt (system, user, <|assistant|>): a reply has the bucket (72) less that."""
+    """The shortest built-in RL prompt (system, user, <|assistant|>): a reply has the bucket (72) less that."""
     tokenizer = common.get_chat_tokenizer()
-    return min(len(common.encode_conversation(tokenizer, prepare_data.conversation_messages(record, "builtin")[:-1])[0])
-               + 1 for record in prepare_data.builtin_reasoning_records(200))
+    return min(len(common.encode_conversation(tokenizer, prepare_data.conversation_messages(row, "builtin")[:-1])[0])
+               + 1 for row in prepare_data.builtin_rl_records())
+
+
+def test_the_builtin_rl_set_is_new_shapes_answered_right_and_none_of_evaluates_problems():
+    rows = prepare_data.builtin_rl_records()
+    sft = {record["conversations"][0]["value"] for record in prepare_data.builtin_reasoning_records()}
+    args = argparse.Namespace(limit=500, val_fraction=0.05)
+    held_out = {question for task in evaluate.CHAT_TASKS for question, _, _ in evaluate.task_problems(task, args)}
+    questions = [row["prompt"] for row in rows]
+    assert len(set(questions)) == len(rows) and not set(questions) & (sft | held_out)
+    shapes = Counter()
+    for row in rows:
+        expression = re.fullmatch(r"(?:Compute |What is |Calculate |Find the value of )?([\d +-]+?)(?:\.|\?| = \?)",
+                                  row["prompt"]).group(1)
+        assert eval(expression) == int(row["answer"]) and set(row) == {"system", "prompt", "answer"}
+        shapes[f"{expression.count(' ') // 2} operations" if row["prompt"].startswith("Compute") else "reworded"] += 1
+    assert set(shapes) == {"2 operations", "4 operations", "reworded"} and min(shapes.values()) > 500, shapes
 
 
 def test_grpo_logs_its_rollouts_and_learns_nothing_it_should_not(tiny_run):
@@ -55,19 +75,20 @@ def test_equal_rewards_give_zero_loss_and_leave_the_weights_unchanged(tiny_run, 
 
 
 def test_advantages_of_one_give_the_sft_loss_and_gradients_on_the_same_tokens(tiny_run, tmp_path):
-    """9 conversations whose reply is exactly what the fixed rollouts say; 1 is held out, 8 make one step of each."""
-    records = prepare_data.builtin_reasoning_records(9, seed=5)
+    """9 conversations of one question whose reply is exactly what the fixed rollouts say; 1 is held out, 8 make one
+    SFT step; GRPO's step is 4 prompts x 2 replies (a group holds 2 at least), the same 8 conversations."""
+    record = prepare_data.builtin_reasoning_records(1, seed=5)[0]
     data = tmp_path / "qa.jsonl"
     reply = {"from": "assistant", "value": REPLY_7}
-    data.write_text("".join(json.dumps({"system": r["system"], "conversations": [r["conversations"][0], reply]}) + "\n"
-                            for r in records))
+    row = {"system": record["system"], "conversations": [record["conversations"][0], reply]}
+    data.write_text((json.dumps(row) + "\n") * 9)
     flags = ["--model", "tiny", "--data", data, "--cache-dir", tmp_path / "cache", "--buckets", 128,
              "--tokens-per-batch", 512, "--val-fraction", 0.1, "--max-steps", 1, "--eval-generate", 0,
              "--dtype", "fp32"]
     # The SFT with lr 0: its step-1 checkpoint holds the weights both runs start from, its row the SFT loss and norm.
     check(run_script("fsdp2_sft.py", *flags, "--init-from", tiny_run("fsdp2_pretrain.py")[0], "--lr", 0,
                      "--out-dir", tmp_path / "sft", nproc=2))
-    check(fixed("constant", *flags, "--init-from", tmp_path / "sft", "--group-size", 1, "--prompts-per-step", 4,
+    check(fixed("constant", *flags, "--init-from", tmp_path / "sft", "--group-size", 2, "--prompts-per-step", 2,
                 "--out-dir", tmp_path / "grpo", advantages="ones"))
     sft, grpo = read_metrics(tmp_path / "sft")[0][1], read_metrics(tmp_path / "grpo")[0][1]
     _, labels = common.encode_conversation(common.get_chat_tokenizer(), [("assistant", REPLY_7)])

@@ -119,6 +119,47 @@ def test_openthoughts_and_messages_schemas_load_to_the_same_samples(tmp_path, to
 
 
 def test_a_wrong_schema_is_a_usage_error(tmp_path, tokenizer):
-    (tmp_path / "wrong.jsonl").write_text(json.dumps({"prompt": "hi", "completion": "there"}) + "\n")
-    with pytest.raises(common.UsageError, match="conversations"):
-        data.load_sft_data(sft_args(tmp_path, tmp_path / "wrong.jsonl"), tokenizer)
+    for name, row, words in [("wrong", {"input": "hi", "output": "there"}, "none of 'conversations'"),
+                             ("no_answer", {"prompt": "hi", "completion": "there"}, "no 'answer'")]:
+        (tmp_path / f"{name}.jsonl").write_text(json.dumps(row) + "\n")
+        with pytest.raises(common.UsageError, match=words):
+            data.load_sft_data(sft_args(tmp_path, tmp_path / f"{name}.jsonl"), tokenizer)
+
+
+def test_answer_only_rows_give_prompts_and_answers_under_each_reward(tmp_path, tokenizer):
+    """{prompt, answer} and GSM8K's {question, answer "... #### N"}: the prompt is the conversation up to the
+    assistant marker, the reference reply the bare answer between the solution markers; final-number reads the
+    number in it (rows without one are left out), exact-text its text."""
+    rows = [{"system": "Be brief.", "prompt": "What is 2 + 2?", "answer": "4"},
+            {"question": "Tom has 3 apples and buys 4. How many now?", "answer": "3 + 4 = <<3+4=7>>7\n#### 7"},
+            {"prompt": "Spell cat.", "answer": "c-a-t"}, {"question": "How many is 1,000 + 200?", "answer": 1200}]
+    (tmp_path / "qa.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = sft_args(tmp_path, tmp_path / "qa.jsonl")
+    args.val_fraction = 0.01  # one row held out: the test reads both splits
+    splits = data.load_sft_data(args, tokenizer, kind="rl")
+    found = {}
+    for reward in common.REWARDS:
+        pairs = [pair for split in splits for pair in zip(*data.answer_prompts(tokenizer, split, 10, reward)[:2])]
+        found[reward] = {tokenizer.decode(prompt): answer for prompt, answer in pairs}
+    user = "<|system|>Be brief.<|end_of_turn|><|user|>What is 2 + 2?<|end_of_turn|><|assistant|>"
+    assert found["exact-text"] == {user: "4", "<|user|>Tom has 3 apples and buys 4. How many now?<|end_of_turn|>"
+                                   "<|assistant|>": "7", "<|user|>Spell cat.<|end_of_turn|><|assistant|>": "c-a-t",
+                                   "<|user|>How many is 1,000 + 200?<|end_of_turn|><|assistant|>": "1200"}
+    assert found["final-number"] == {prompt: float(answer) for prompt, answer in found["exact-text"].items()
+                                     if answer != "c-a-t"}
+
+
+def test_rewards_read_the_last_number_or_the_exact_text(tokenizer):
+    def reply(text):
+        return tokenizer.encode(text, allowed_special=set(common.REASONING_MARKERS)) + [S[common.END_OF_TURN]]
+
+    solved = reply("<|begin_of_thought|>3 + 4 = 7, so 7 - 2<|end_of_thought|><|begin_of_solution|>The answer is 5."
+                   "<|end_of_solution|>")
+    assert common.reply_answer(tokenizer, solved, "final-number") == 5.0
+    assert common.reply_answer(tokenizer, solved, "exact-text") == "The answer is 5."
+    unmarked = reply("3 + 4 = 7, so the farm holds 1,250.5 kg, not -3")  # no markers: the reply's last number
+    assert common.reply_answer(tokenizer, unmarked, "final-number") == -3.0
+    assert common.reply_answer(tokenizer, unmarked, "exact-text") is None
+    in_words = reply("It is 7.<|begin_of_solution|>seven<|end_of_solution|>")  # markers: only what is inside counts
+    assert common.reply_answer(tokenizer, in_words, "final-number") is None
+    assert [common.final_number(text) for text in ["1,250.5 kg", "72", "72.0", "x", ""]] == [1250.5, 72, 72, None, None]

@@ -1,0 +1,179 @@
+"""The whole pipeline in one command: pretraining -> SFT -> GRPO (and its control) -> evaluate.py -> plots -> a report.
+
+    python pipeline.py                                        # small model, built-in data, 2 processes: ~35 minutes
+    python pipeline.py --seed 1 --out-dir runs/pipeline_seed1
+    python pipeline.py --stages eval                          # score the runs already in --out-dir again
+    python pipeline.py --model qwen2-0.5b --nproc 8 --pretrain-data data/fineweb-edu --sft-data data/openthoughts \\
+        --rl-data data/gsm8k
+
+Each stage runs its script under torchrun with --out-dir DIR/<stage>, starting from the stage before it:
+
+    pretrain  fsdp2_pretrain.py
+    sft       fsdp2_sft.py from pretrain's newest checkpoint
+    grpo      fsdp2_grpo.py from sft's newest checkpoint, on problems with answers only
+    control   fsdp2_sft.py from sft's newest checkpoint, for as long as grpo took: the SFT continued on its own data at
+              its final learning rate, the compute-matched baseline GRPO must beat
+    eval      evaluate.py on each stage's newest checkpoint -> DIR/eval.jsonl (each row with its stage), plot.py ->
+              DIR/<stage>.png, and DIR/report.md: the stage table with 95% intervals, and what GRPO gained
+
+Flags this command does not know go to every training script (e.g. --dtype bf16, --compile).
+"""
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import common
+
+STAGES = ["pretrain", "sft", "grpo", "control", "eval"]
+SCRIPTS = {"pretrain": "fsdp2_pretrain.py", "sft": "fsdp2_sft.py", "grpo": "fsdp2_grpo.py", "control": "fsdp2_sft.py"}
+SOURCES = {"sft": "pretrain", "grpo": "sft", "control": "sft"}  # the run each stage starts from
+IN_DISTRIBUTION, NEW_SHAPES = "arith_gen", ["arith_2op", "arith_4op", "arith_reworded"]  # GRPO trains on the latter
+
+
+def stage_list(text):
+    stages = [stage.strip() for stage in text.split(",") if stage.strip()]
+    unknown = [stage for stage in stages if stage not in STAGES]
+    if unknown or not stages:
+        raise argparse.ArgumentTypeError(f"unknown stage {', '.join(unknown) or '(none)'}: choose from "
+                                         f"{', '.join(STAGES)}")
+    return [stage for stage in STAGES if stage in stages]  # always in pipeline order
+
+
+def get_parser():
+    parser = common.ArgumentParser(__doc__)
+    parser.add_argument("--stages", type=stage_list, default=STAGES, help="comma-separated, of " + ", ".join(STAGES))
+    parser.add_argument("--out-dir", default="runs/pipeline", help="each stage's run goes to a folder here")
+    parser.add_argument("--seed", type=common.NON_NEGATIVE_INT, default=1337, help="every stage's --seed")
+    parser.add_argument("--model", default="small", choices=list(common.MODEL_PRESETS), help="every stage's --model")
+    parser.add_argument("--nproc", type=common.COUNT, default=2, help="processes per stage (torchrun's "
+                        "--nproc_per_node): one per GPU, or per pair of CPU cores")
+    for stage, what in [("pretrain", "pretraining text"), ("sft", "SFT conversations (also the control's)"),
+                        ("rl", "GRPO's problems")]:
+        parser.add_argument(f"--{stage}-data", default="builtin", help=f"--data of the {what}")
+    return parser
+
+
+def run_stage(stage, args, extra):
+    """Run one training stage under torchrun; returns its wall-clock seconds. A failed stage stops the pipeline."""
+    out = Path(args.out_dir) / stage
+    flags = ["--model", args.model, "--seed", str(args.seed), "--out-dir", str(out), *extra]
+    flags += ["--data", {"pretrain": args.pretrain_data, "grpo": args.rl_data}.get(stage, args.sft_data)]
+    if stage in SOURCES:
+        flags += ["--init-from", str(Path(args.out_dir) / SOURCES[stage])]
+    if stage == "control":
+        flags += control_flags(Path(args.out_dir))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+               SCRIPTS[stage], *flags]
+    print(f"\n== {stage}: {' '.join(command[2:])}", flush=True)
+    started = time.perf_counter()
+    if subprocess.run(command, cwd=Path(__file__).parent).returncode != 0:
+        raise common.UsageError(f"the {stage} stage failed (its output is above): fix it, then rerun with "
+                                f"--stages {','.join(STAGES[STAGES.index(stage):])}")
+    return time.perf_counter() - started
+
+
+def read_rows(run_dir):
+    try:
+        return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    except (OSError, ValueError) as error:
+        raise common.UsageError(f"{run_dir}: no readable metrics.jsonl ({common.error_reason(error)}): run its stage "
+                                f"first (--stages)") from None
+
+
+def control_flags(out_dir):
+    """The control: as many SFT steps as fit in GRPO's training time at the SFT's own pace (both timed from their
+    first step to their last, start-up and evaluation included), at the SFT's final learning rate, held."""
+    sft_rows = [row for row in read_rows(out_dir / "sft") if "elapsed_s" in row]
+    grpo_rows = [row for row in read_rows(out_dir / "grpo") if "elapsed_s" in row]
+    if not sft_rows or not grpo_rows:
+        raise common.UsageError(f"{out_dir}: the sft and grpo runs logged no steps: run those stages first")
+    seconds_per_step = sft_rows[-1]["elapsed_s"] / sft_rows[-1]["step"]
+    steps = max(1, round(grpo_rows[-1]["elapsed_s"] / seconds_per_step))
+    flags = json.loads((out_dir / "sft" / "config.json").read_text())["flags"]
+    final_lr = flags["lr"] * flags["min_lr_ratio"]
+    return ["--max-steps", str(steps), "--lr", f"{final_lr:.6g}", "--min-lr-ratio", "1", "--warmup-steps", "0",
+            "--save-every", str(steps)]
+
+
+def evaluate_stages(out_dir, stages):
+    """evaluate.py on each run's newest checkpoint; its rows, each with its stage."""
+    import evaluate
+
+    rows = []
+    for stage in stages:
+        print(f"\n== eval: python evaluate.py {out_dir / stage}", flush=True)
+        args = evaluate.get_parser().parse_args([str(out_dir / stage)])
+        rows += [{"stage": stage, **row} for row in evaluate.evaluate(args)]
+    return rows
+
+
+def cell(row):
+    """A figure and its interval, as README's tables write them: 2.46 [2.24, 2.68], or 61.0% [54.1, 67.5]."""
+    if row is None:
+        return ""
+    if row["metric"] == "bpb":
+        return f"{row['value']:.2f} [{row['ci_low']:.2f}, {row['ci_high']:.2f}]"
+    return f"{100 * row['value']:.1f}% [{100 * row['ci_low']:.1f}, {100 * row['ci_high']:.1f}]"
+
+
+def report(rows, stages, times, args):
+    """DIR/report.md: the stage table with intervals, and GRPO's gains against the SFT and the control."""
+    found = {(row["stage"], row["task"], row["metric"]): row for row in rows}
+    tasks = [(task, metric) for task, metric in dict.fromkeys((row["task"], row["metric"]) for row in rows)
+             if metric in ("bpb", "accuracy")]
+    lines = [f"# Pipeline report: `python pipeline.py --model {args.model} --seed {args.seed} --nproc {args.nproc}`",
+             "", f"Each figure: `evaluate.py` on the stage's newest checkpoint, with its 95% interval (n per task: "
+             f"{', '.join(sorted({str(row['n']) for row in rows}))}).", "",
+             "| task: metric | " + " | ".join(stages) + " |", "| --- |" + " --- |" * len(stages)]
+    lines += [f"| `{task}`: {metric} | " + " | ".join(cell(found.get((stage, task, metric))) for stage in stages) + " |"
+              for task, metric in tasks]
+    if times:
+        lines += ["", "Wall-clock seconds per stage: " + ", ".join(f"{stage} {seconds:.0f}" for stage, seconds in
+                                                                    times.items())]
+    compared = [IN_DISTRIBUTION, *NEW_SHAPES]
+    accuracy = {(stage, task): found.get((stage, task, "accuracy")) for stage in stages for task in compared}
+    if all(accuracy.get((stage, task)) for stage in ("sft", "grpo", "control") for task in compared):
+        lines += ["", "## GRPO against the SFT it starts from and the compute-matched control", "",
+                  "| task | SFT | GRPO | control | GRPO - SFT | GRPO above the control, intervals apart |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for task in compared:
+            sft, grpo, control = (accuracy[stage, task] for stage in ("sft", "grpo", "control"))
+            apart = grpo["ci_low"] > control["ci_high"]
+            lines.append(f"| `{task}` | {sft['value']:.1%} | {grpo['value']:.1%} | {control['value']:.1%} | "
+                         f"{100 * (grpo['value'] - sft['value']):+.1f} points | {'yes' if apart else 'no'} |")
+    path = Path(args.out_dir) / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def main():
+    args, extra = get_parser().parse_known_args()
+    out_dir = Path(args.out_dir)
+    times_file = out_dir / "stage_seconds.json"  # kept across invocations, so that --stages eval still reports them
+    times = json.loads(times_file.read_text()) if times_file.is_file() else {}
+    for stage in [stage for stage in args.stages if stage in SCRIPTS]:
+        times[stage] = run_stage(stage, args, extra)
+        times_file.write_text(json.dumps(times, indent=2))
+    if "eval" not in args.stages:
+        return
+    stages = [stage for stage in SCRIPTS if (out_dir / stage / "checkpoints").is_dir()]
+    if not stages:
+        raise common.UsageError(f"--out-dir {out_dir} holds no stage's checkpoints: run the training stages first")
+    rows = evaluate_stages(out_dir, stages)
+    (out_dir / "eval.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    import plot
+
+    plots = {"pretrain": ["pretrain"], "sft": ["sft"], "grpo": ["grpo", "control"]}  # GRPO beside its control
+    plots = {name: [out_dir / stage for stage in runs if stage in stages] for name, runs in plots.items()}
+    for name, runs in plots.items():
+        if runs:
+            plot.plot(runs, out_dir / f"{name}.png")
+    print(f"\nwrote {report(rows, stages, times, args)}, {out_dir / 'eval.jsonl'} and the plots "
+          f"{', '.join(f'{name}.png' for name, runs in plots.items() if runs)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""pipeline.py end to end on the tiny preset: every stage in order, each from the one before, the control for GRPO's
+time from the SFT's last weights, then every stage on one scale in eval.jsonl and report.md; and its bad input."""
+import json
+
+import pipeline
+from helpers import TINY_CORPUS, check, read_metrics, run_script
+
+
+def test_the_pipeline_runs_every_stage_from_the_one_before_and_reports_them(tmp_path):
+    out = tmp_path / "pipeline"
+    check(run_script("pipeline.py", "--model", "tiny", "--nproc", 1, "--seed", 3, "--out-dir", out,
+                     "--pretrain-data", TINY_CORPUS, "--cache-dir", TINY_CORPUS.parent / "cache", "--dtype", "fp32",
+                     "--max-steps", 4, "--eval-every", 4, "--save-every", 4, "--val-fraction", 0.002))
+    configs = {stage: json.loads((out / stage / "config.json").read_text())["flags"] for stage in pipeline.SCRIPTS}
+    assert all(flags["seed"] == 3 and flags["model"] == "tiny" for flags in configs.values())
+    for stage, source in pipeline.SOURCES.items():
+        assert configs[stage]["init_from"] == str(out / source)
+    # The control: as many steps as GRPO's time holds at the SFT's pace, at the SFT's final rate, held.
+    sft_rows = [row for row in read_metrics(out / "sft")[0].values()]
+    grpo_time = max(row["elapsed_s"] for row in read_metrics(out / "grpo")[0].values())
+    assert configs["control"]["max_steps"] == max(1, round(grpo_time / (sft_rows[-1]["elapsed_s"] / 4)))
+    assert configs["control"]["lr"] == configs["sft"]["lr"] * configs["sft"]["min_lr_ratio"]
+    assert configs["control"]["min_lr_ratio"] == 1 and configs["control"]["warmup_steps"] == 0
+    # It starts from the SFT's last weights as they are (its markers kept): the same validation figures at its step 0.
+    sft_end = [json.loads(line) for line in (out / "sft" / "metrics.jsonl").read_text().splitlines()][-1]
+    control_start = json.loads((out / "control" / "metrics.jsonl").read_text().splitlines()[0])
+    assert control_start["step"] == 0 and control_start["val_loss"] == sft_end["val_loss"]
+    assert control_start["val_accuracy"] == sft_end["val_accuracy"]
+
+    rows = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    tasks = {stage: {row["task"] for row in rows if row["stage"] == stage} for stage in pipeline.SCRIPTS}
+    assert tasks["pretrain"] == {"prose_bpb", "arith_choice"}
+    assert all(tasks[stage] >= {"arith_gen", *pipeline.NEW_SHAPES} for stage in ("sft", "grpo", "control"))
+    assert all(row["ci_low"] <= row["value"] <= row["ci_high"] and row["step"] for row in rows)
+    report = (out / "report.md").read_text()
+    assert "| task: metric | pretrain | sft | grpo | control |" in report and "GRPO - SFT" in report
+    grpo = next(row for row in rows if (row["stage"], row["task"], row["metric"]) == ("grpo", "arith_gen", "accuracy"))
+    assert pipeline.cell(grpo) in report
+    assert all((out / f"{name}.png").stat().st_size > 0 for name in ("pretrain", "sft", "grpo"))
+
+
+def test_bad_input_is_one_line_before_any_stage_runs(tmp_path):
+    result = run_script("pipeline.py", "--stages", "pretrain,rlhf", "--out-dir", tmp_path / "run")
+    assert result.returncode == 2 and result.stderr.startswith("error: argument --stages: unknown stage rlhf")
+    result = run_script("pipeline.py", "--stages", "control", "--out-dir", tmp_path / "run")
+    lines = result.stderr.splitlines()
+    assert result.returncode == 1 and len(lines) == 1 and "run its stage first (--stages)" in lines[0], result.stderr
+    assert not (tmp_path / "run" / "control").exists()

@@ -237,9 +237,7 @@ while step < args.max_steps:
     torch.manual_seed(int(np.random.SeedSequence([args.seed, rank, step]).generate_state(1)[0]))
     with torch.no_grad():  # synced: all ranks step until all are done, as the gathers at the first token are collective
         max_new_tokens = bucket_len - max(map(len, prompts))
-        replies = [reply for start in range(0, len(prompts), batch_size)  # a micro-batch at a time: bounded memory
-                   for reply in modeling.generate_replies(model, prompts[start:start + batch_size], max_new_tokens,
-                                                          temperature=1.0, top_k=0, synced=True)]
+        replies = modeling.generate_replies(model, prompts, max_new_tokens, temperature=1.0, top_k=0, synced=True)
     model.set_reshard_after_forward(args.reshard_after_forward)
     for module in [*model.model.layers, model]:
         module.reshard()  # back to shards for training: the gathered copies are freed

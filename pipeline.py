@@ -50,6 +50,8 @@ def get_parser():
     parser.add_argument("--model", default="small", choices=list(common.MODEL_PRESETS), help="every stage's --model")
     parser.add_argument("--nproc", type=common.COUNT, default=2, help="processes per stage (torchrun's "
                         "--nproc_per_node): one per GPU, or per pair of CPU cores")
+    parser.add_argument("--eval-limit", type=common.COUNT, default=200, help="evaluate.py's --limit: problems or "
+                        "documents per task")
     for stage, what in [("pretrain", "pretraining text"), ("sft", "SFT conversations (also the control's)"),
                         ("rl", "GRPO's problems")]:
         parser.add_argument(f"--{stage}-data", default="builtin", help=f"--data of the {what}")
@@ -98,14 +100,14 @@ def control_flags(out_dir):
             "--save-every", str(steps)]
 
 
-def evaluate_stages(out_dir, stages):
+def evaluate_stages(out_dir, stages, limit):
     """evaluate.py on each run's newest checkpoint; its rows, each with its stage."""
     import evaluate
 
     rows = []
     for stage in stages:
-        print(f"\n== eval: python evaluate.py {out_dir / stage}", flush=True)
-        args = evaluate.get_parser().parse_args([str(out_dir / stage)])
+        print(f"\n== eval: python evaluate.py {out_dir / stage} --limit {limit}", flush=True)
+        args = evaluate.get_parser().parse_args([str(out_dir / stage), "--limit", str(limit)])
         rows += [{"stage": stage, **row} for row in evaluate.evaluate(args)]
     return rows
 
@@ -162,7 +164,7 @@ def main():
     stages = [stage for stage in SCRIPTS if (out_dir / stage / "checkpoints").is_dir()]
     if not stages:
         raise common.UsageError(f"--out-dir {out_dir} holds no stage's checkpoints: run the training stages first")
-    rows = evaluate_stages(out_dir, stages)
+    rows = evaluate_stages(out_dir, stages, args.eval_limit)
     (out_dir / "eval.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     import plot
 

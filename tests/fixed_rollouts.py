@@ -22,7 +22,6 @@ import modeling  # noqa: E402
 mode, rank = os.environ["ROLLOUTS"], int(os.environ.get("RANK", 0))
 tokenizer = common.get_chat_tokenizer()
 real_generate_replies = modeling.generate_replies
-last = {"prompt": None, "place": 0}  # a group may span two generate calls (the rollout samples a micro-batch at a time)
 
 
 def reply_saying(answer):
@@ -37,9 +36,8 @@ def generate_replies(model, prompts, max_new_tokens, temperature=0.0, top_k=None
     if mode == "uneven":
         return real_generate_replies(model, prompts, 1 if rank == 0 else max_new_tokens, temperature, top_k, synced)
     places = []  # a reply's place in its group: a group's prompts come one after another
-    for prompt in prompts:
-        last.update(place=last["place"] + 1 if prompt == last["prompt"] else 0, prompt=prompt)
-        places.append(last["place"])
+    for i, prompt in enumerate(prompts):
+        places.append(places[-1] + 1 if i and prompts[i - 1] == prompt else 0)
     return [reply_saying(7 if mode == "constant" else place % 10) for place in places]
 
 

@@ -233,4 +233,4 @@ print(f"rank {rank} holds {param_elements:,} parameter and {optimizer_elements:,
       f"({n_params:,} parameters in the model), peak memory in training {run_peak_mem_gb:.2f} GB")
 dist.barrier()  # without it, a rank that exits first can abort the others' gloo teardown
 dist.destroy_process_group()
-time.sleep(1)  # let gloo's threads free the last collectives' tensors: in Python's exit that aborts (pytorch#190489)
+time.sleep(0.2)  # let gloo's threads free the last collectives' tensors: in Python's exit that aborts (pytorch#190489)

@@ -84,7 +84,7 @@ def stop_if_nonfinite(step, loss, grad_norm):
 
     dist.barrier()  # leave the way a finished run does: no rank tears gloo down under another
     dist.destroy_process_group()
-    time.sleep(1)  # and gloo's threads free the last collectives' tensors before Python exits
+    time.sleep(0.2)  # and gloo's threads free the last collectives' tensors before Python exits
     if int(os.environ.get("RANK", 0)) == 0:
         print(file=sys.__stderr__)  # end the progress bar's line
     raise common.UsageError(f"step {step}: the loss is {loss} and the gradient norm {grad_norm}; stopped before the "

@@ -193,4 +193,4 @@ else:
 if dist.is_initialized():
     dist.barrier()
     dist.destroy_process_group()
-    time.sleep(1)  # as the scripts do: gloo's threads free the last collectives' tensors before Python exits
+    time.sleep(0.2)  # as the scripts do: gloo's threads free the last collectives' tensors before Python exits

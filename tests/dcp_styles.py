@@ -139,4 +139,4 @@ if rank == 0:
     result_file.write_text(json.dumps(results, indent=1))
 dist.barrier()
 dist.destroy_process_group()
-time.sleep(1)  # as the scripts do: gloo's threads free the last collectives' tensors before Python exits
+time.sleep(0.2)  # as the scripts do: gloo's threads free the last collectives' tensors before Python exits

@@ -84,9 +84,9 @@ MODEL_PRESETS = {
         model=dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
                    num_key_value_heads=2), rope_theta=10_000.0,
         train=dict(buckets=[32, 48, 64, 96, 128, 192, 256], tokens_per_batch=1024, lr=3e-3, warmup_steps=10,
-                   max_steps=120, eval_every=40, save_every=40),
-        sft=dict(buckets=[68, 96], tokens_per_batch=512, lr=3e-3, warmup_steps=30, max_steps=600, eval_every=600,
-                 save_every=300),
+                   max_steps=60, eval_every=20, save_every=20),
+        sft=dict(buckets=[68, 96], tokens_per_batch=512, lr=3e-3, warmup_steps=30, max_steps=1000, eval_every=1000,
+                 save_every=500),
         # RL on the built-in RL set (shapes the SFT never saw), from the finished SFT; a bucket holds a four-operation
         # chain (85 tokens) and a step's 32 replies are one micro-batch.
         grpo=dict(buckets=[96], tokens_per_batch=6144, lr=1e-4, min_lr_ratio=1.0, warmup_steps=5, max_steps=50,

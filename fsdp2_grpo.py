@@ -156,7 +156,9 @@ def prompt_schedule(epoch):  # all prompts as one bucket of length 1: a step tak
 # ---------------------------------------------------------------------------------------------- evaluation
 val_schedule = make_schedule(val.lengths, 0, 1, "ascending")
 # Answer accuracy: greedy replies to held-out prompts, checked against the reference as the reward checks them.
-val_prompts, val_answers, max_reply_tokens = data.answer_prompts(tokenizer, val, args.eval_generate, args.reward)
+val_prompts, val_answers, _ = data.answer_prompts(tokenizer, val, args.eval_generate, args.reward)
+# A reply may be as long as a rollout's: the bucket less the prompt (a bare reference answer says nothing of it).
+max_reply_tokens = args.buckets[-1] - max(map(len, val_prompts), default=0)
 
 
 @torch.no_grad()

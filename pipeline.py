@@ -1,6 +1,6 @@
 """The whole pipeline in one command: pretraining -> SFT -> GRPO (and its control) -> evaluate.py -> plots -> a report.
 
-    python pipeline.py                                        # small model, built-in data, 2 processes: ~40 minutes
+    python pipeline.py                                        # small model, built-in data, 2 processes: ~35 minutes
     python pipeline.py --seed 1 --out-dir runs/pipeline_seed1
     python pipeline.py --stages eval                          # score the runs already in --out-dir again
     python pipeline.py --model qwen2-0.5b --nproc 8 --pretrain-data data/fineweb-edu --sft-data data/openthoughts \\
@@ -10,7 +10,7 @@ Each stage runs its script under torchrun with --out-dir DIR/<stage>, starting f
 
     pretrain  fsdp2_pretrain.py
     sft       fsdp2_sft.py from pretrain's newest checkpoint
-    grpo      fsdp2_grpo.py from sft's newest checkpoint, on problems with answers only
+    grpo      fsdp2_grpo.py from sft's newest checkpoint, on problems with answers only (built-in: --reward exact-text)
     control   fsdp2_sft.py from sft's newest checkpoint, for as long as grpo took: the SFT continued on its own data at
               its final learning rate, the compute-matched baseline GRPO must beat
     eval      evaluate.py on each stage's newest checkpoint -> DIR/eval.jsonl (each row with its stage), plot.py ->
@@ -67,6 +67,8 @@ def run_stage(stage, args, extra):
         flags += ["--init-from", str(Path(args.out_dir) / SOURCES[stage])]
     if stage == "control":
         flags += control_flags(Path(args.out_dir))
+    if stage == "grpo" and args.rl_data == "builtin" and "--reward" not in extra:
+        flags += ["--reward", "exact-text"]  # "The answer is 7." between the markers, as evaluate.py checks a reply
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
                SCRIPTS[stage], *flags]
     print(f"\n== {stage}: {' '.join(command[2:])}", flush=True)

@@ -122,7 +122,8 @@ HELD_OUT_SEED = 1000  # seeds evaluate.py's chains of two and four operations, w
 def builtin_rl_records():
     """Answer-only problems of shapes the built-in SFT set never shows, for fsdp2_grpo.py: chains of two and of four
     operations, and chains of three (none of the SFT's 10,000) asked in other words. Each row is a prompt and its
-    answer, no worked solution. evaluate.py's held-out problems of these shapes are left out."""
+    answer in the solution's words ("The answer is 1."), no worked solution. evaluate.py's held-out problems of these
+    shapes are left out."""
     import random
 
     held_out = {record["conversations"][0]["value"] for operations in (2, 4)
@@ -134,8 +135,8 @@ def builtin_rl_records():
     questions = [record["conversations"][0]["value"] for record in records]
     questions += [REPHRASINGS[i % len(REPHRASINGS)].format(record["conversations"][0]["value"][8:-1])
                   for i, record in enumerate(sft_set[10_000:])]  # "Compute 3 + 4 - 2." -> "What is 3 + 4 - 2?"
-    answers = [record["conversations"][1]["value"].split("The answer is ")[1].split(".")[0]
-               for record in [*records, *sft_set[10_000:]]]
+    replies = [record["conversations"][1]["value"] for record in [*records, *sft_set[10_000:]]]
+    answers = [reply.split("<|begin_of_solution|>")[1].split("<|end_of_solution|>")[0].strip() for reply in replies]
     rows = [{"system": common.BUILTIN_SYSTEM_PROMPT, "prompt": question, "answer": answer}
             for question, answer in zip(questions, answers)]
     random.Random(0).shuffle(rows)  # the shapes mixed, so that a validation split holds each

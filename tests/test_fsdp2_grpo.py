@@ -42,7 +42,7 @@ def test_the_builtin_rl_set_is_new_shapes_answered_right_and_none_of_evaluates_p
     for row in rows:
         expression = re.fullmatch(r"(?:Compute |What is |Calculate |Find the value of )?([\d +-]+?)(?:\.|\?| = \?)",
                                   row["prompt"]).group(1)
-        assert eval(expression) == int(row["answer"]) and set(row) == {"system", "prompt", "answer"}
+        assert row["answer"] == f"The answer is {eval(expression)}." and set(row) == {"system", "prompt", "answer"}
         shapes[f"{expression.count(' ') // 2} operations" if row["prompt"].startswith("Compute") else "reworded"] += 1
     assert set(shapes) == {"2 operations", "4 operations", "reworded"} and min(shapes.values()) > 500, shapes
 

@@ -422,7 +422,7 @@ def init_process_group(device):
 
 
 # ----------------------------------------------------------------------------------------------
-# Answers and rewards: the text a reply answers with (the SFT's accuracy, GRPO's reward); GRPO's advantage.
+# Answers and rewards: the text a reply answers with (the SFT's accuracy, GRPO's reward).
 
 REWARDS = ["final-number", "exact-text"]  # GRPO's --reward: how a reply is checked against the reference
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")  # 72, -3, 1,000, 2.5
@@ -456,11 +456,3 @@ def solution_text(tokenizer, token_ids):
         return None
     start = token_ids.index(begin) + 1
     return decode(tokenizer, token_ids[start:token_ids.index(end, start)]).strip()
-
-
-def group_advantages(rewards, group_size):
-    """GRPO's advantage: each reward minus the mean reward of its group (the replies to one prompt). Not divided by
-    the group's std: a group whose rewards are all equal teaches nothing and weighs exactly zero, and a group of
-    nearly equal rewards is not blown up (Dr. GRPO's argument)."""
-    groups = rewards.view(-1, group_size)
-    return (groups - groups.mean(1, keepdim=True)).flatten()

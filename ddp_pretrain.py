@@ -57,6 +57,8 @@ model = modeling.build_model(args.model, args.activation_checkpointing).to(devic
 n_params, model_config = modeling.count_parameters(model), model.config
 if rank == 0:
     common.write_config(args, SCRIPT, world_size, device, dtype, n_params)  # the start block, and <out-dir>/config.json
+# bf16 matmuls on fp32 weights: the forward and the loss run inside `with autocast:`, the backward follows their dtypes.
+autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 if args.compile:
     torch._dynamo.config.recompile_limit = 2 * len(args.buckets)  # per bucket a training and an evaluation graph
     for layer in model.model.layers:  # regional: all layers share each bucket's graph; the wrappers' hooks stay outside
@@ -64,8 +66,6 @@ if args.compile:
 
 # ---------------------------------------------------------------------------------------------- wrap
 model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-# bf16 matmuls, fp32 weights.
-model.forward = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)(model.forward)
 
 # ---------------------------------------------------------------------------------------------- optimizer
 # Matrices decay; biases and norm gains do not. Decided by name: under FSDP1 every parameter is a flat 1-D shard.
@@ -125,7 +125,8 @@ def evaluate():
     for bucket_len, samples in val_schedule:
         batch_size = data.bucket_batch_size(args.tokens_per_batch, bucket_len)
         input_ids, targets = data.collate(val, samples[rank::world_size], bucket_len, batch_size)
-        loss_sum += model(input_ids=input_ids.to(device), targets=targets.to(device))  # summed over the targets
+        with autocast:
+            loss_sum += model(input_ids=input_ids.to(device), targets=targets.to(device))  # summed over the targets
     dist.all_reduce(loss_sum)
     model.train()
     return loss_sum.item() / sum(val.target_counts)
@@ -177,8 +178,8 @@ while step < args.max_steps:
         # a long sample then weighs as much as it would in one big batch. The gradient sync averages over
         # ranks, so we multiply by world_size to turn that average back into the sum.
         with model.no_sync() if micro < args.grad_accum - 1 else nullcontext():  # sync only after the last micro-batch
-            # The summed loss; logits are made only at target positions, a chunk at a time (modeling.build_model).
-            micro_loss_sum = model(input_ids=input_ids.to(device), targets=targets.to(device))
+            with autocast:  # the summed loss; logits only at target positions, a chunk at a time (modeling.py)
+                micro_loss_sum = model(input_ids=input_ids.to(device), targets=targets.to(device))
             (micro_loss_sum * world_size / target_tokens).backward()
         loss_sum += micro_loss_sum.detach()
     # The norm by hand, then the library clips with it: on CPU, torch's fp32 vector_norm (inside clip_grad_norm_)

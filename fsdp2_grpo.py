@@ -185,11 +185,12 @@ def evaluate():
 # ---------------------------------------------------------------------------------------------- rollouts
 def rollout_split(prompts, replies):
     """The step's rollouts as a Split, as collate reads it: prompt + reply per sample, the reply's tokens targets."""
-    sequences = [np.array(prompt + reply, dtype=np.int64) for prompt, reply in zip(prompts, replies)]
-    mask = [np.arange(len(sequence)) >= len(prompt) for sequence, prompt in zip(sequences, prompts)]
-    lengths = np.array([len(sequence) for sequence in sequences], dtype=np.int64)
-    return data.Split(np.concatenate(sequences), np.concatenate(mask).astype(np.uint8), np.cumsum(lengths) - lengths,
-                      lengths, np.array([len(reply) for reply in replies]), "")
+    tokens = np.array([token for prompt, reply in zip(prompts, replies) for token in prompt + reply], dtype=np.int64)
+    mask = np.array([i >= len(prompt) for prompt, reply in zip(prompts, replies) for i in range(len(prompt + reply))],
+                    dtype=np.uint8)
+    lengths = np.array([len(prompt) + len(reply) for prompt, reply in zip(prompts, replies)], dtype=np.int64)
+    return data.Split(tokens, mask, np.cumsum(lengths) - lengths, lengths,
+                      np.array([len(reply) for reply in replies], dtype=np.int64), "")
 
 
 # ---------------------------------------------------------------------------------------------- training loop
@@ -238,7 +239,7 @@ while step < args.max_steps:
     model.set_reshard_after_forward(False)  # each layer is gathered at the first token and kept: not once per token
     torch.manual_seed(int(np.random.SeedSequence([args.seed, rank, step]).generate_state(1)[0]))
     with torch.no_grad():  # synced: all ranks step until all are done, as the gathers at the first token are collective
-        max_new_tokens = bucket_len - max(map(len, prompts))
+        max_new_tokens = bucket_len - max(map(len, prompts), default=1)  # default: no prompt for this rank this step
         replies = modeling.generate_replies(model, prompts, max_new_tokens, temperature=1.0, top_k=0, synced=True)
     model.set_reshard_after_forward(args.reshard_after_forward)
     for module in [*model.model.layers, model]:
@@ -247,9 +248,12 @@ while step < args.max_steps:
     # Reward 1 for the reference answer, as --reward reads replies, else 0 (none, or cut short: 0).
     answers = [common.reply_answer(tokenizer, reply, args.reward) for reply in replies]  # None: no answer
     rewards = torch.tensor([float(answer == train_answers[i]) for i, answer in zip(mine, answers)])
-    advantages = common.group_advantages(rewards, args.group_size)  # reward minus its group's mean; all equal: all 0
-    rollouts = rollout_split(prompts, replies)
+    # GRPO's advantage (Shao et al., 2024): a reply's reward less the mean reward of its group, the replies to one
+    # prompt. Not divided by the group's std (Dr. GRPO, Liu et al., 2025): a group of equal rewards weighs exactly 0,
+    # and one of nearly equal rewards is not blown up.
     groups = rewards.view(-1, args.group_size)
+    advantages = (groups - groups.mean(dim=1, keepdim=True)).flatten()
+    rollouts = rollout_split(prompts, replies)
     flat = (groups.max(1).values == groups.min(1).values).sum()  # groups whose rewards are all equal
     with_markers = sum(common.solution_text(tokenizer, reply) is not None for reply in replies)
     stats = torch.tensor([rewards.sum(), len(rewards), flat, len(groups), with_markers,
@@ -261,18 +265,21 @@ while step < args.max_steps:
 
     loss_sum = torch.zeros((), device=device)
     for micro in range(micro_batches):
-        sample_ids = range(micro * batch_size, min((micro + 1) * batch_size, len(replies)))
+        sample_ids = range(micro * batch_size, min((micro + 1) * batch_size, len(replies)))  # none: padding rows only
         input_ids, targets = data.collate(rollouts, sample_ids, bucket_len, batch_size)
-        row_weights = torch.zeros(batch_size)
-        row_weights[:len(sample_ids)] = advantages[sample_ids.start:sample_ids.stop]
-        # Sum over the reply tokens of advantage x cross-entropy, divided by the reply tokens of the WHOLE step (all
-        # ranks), as pretraining and SFT divide. One optimizer step per batch of rollouts: the policy that sampled them
-        # is the one being updated, so no importance ratio, no clipping and no reference model are needed. Reusing
-        # rollouts for more steps would make them off-policy: PPO's ratio and clip would then have to come back.
+        row_advantages = torch.zeros(batch_size)
+        row_advantages[:len(sample_ids)] = advantages[sample_ids.start:sample_ids.stop]
+        # The log-probability under the policy being trained of every reply token (the targets: reply tokens only), and
+        # the advantage of the reply it belongs to. Logits only at those tokens, a chunk at a time (modeling.py).
         model.set_requires_gradient_sync(micro == micro_batches - 1)  # FSDP2's switch for no_sync()
-        # The weighted sum; logits are made only at target positions, a chunk at a time (modeling.build_model).
-        micro_loss_sum = model(input_ids=input_ids.to(device), targets=targets.to(device),
-                               weights=row_weights[:, None].to(device))
+        log_probs = -model(input_ids=input_ids.to(device), targets=targets.to(device), reduction="none")
+        token_advantages = row_advantages[:, None].expand_as(targets)[targets != common.IGNORE_INDEX].to(device)
+        # The policy gradient: raise the log-probability of the tokens of replies that did better than their group,
+        # lower the others'. Summed over the reply tokens and divided by those of the WHOLE step (all ranks), as
+        # pretraining and SFT divide. One optimizer step per batch of rollouts: the policy that sampled them is the one
+        # being updated, so no importance ratio, no clipping and no reference model are needed. Reusing rollouts for
+        # more steps would make them off-policy: PPO's ratio and clip would then have to come back.
+        micro_loss_sum = -(token_advantages * log_probs).sum()
         (micro_loss_sum * world_size / target_tokens).backward()  # on every rank: the gradient sync is collective
         loss_sum += micro_loss_sum.detach()
     # The norm by hand, then the library clips with it: on CPU, torch's fp32 vector_norm (inside clip_grad_norm_)

@@ -217,7 +217,7 @@ while step < args.max_steps:
         # a long sample then weighs as much as it would in one big batch. The gradient sync averages over
         # replicas, so we multiply by dp_size to turn that average back into the sum.
         model.set_requires_gradient_sync(micro == args.grad_accum - 1)  # FSDP2's switch for no_sync()
-        # The summed loss; logits are made only at target positions, a chunk at a time (modeling.build_model).
+        # The summed loss; logits only at target positions, a chunk at a time (modeling.Qwen2WithChunkedLoss).
         micro_loss_sum = model(input_ids=input_ids.to(device), targets=targets.to(device))
         (micro_loss_sum * dp_size / target_tokens).backward()
         loss_sum += micro_loss_sum.detach()

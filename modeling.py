@@ -1,22 +1,41 @@
-"""The model: a Qwen2 from transformers (the model class only) with the GPT-2 vocabulary, activation checkpointing on
-every decoder layer, a loss that never holds a whole batch's logits, and generation with it."""
+"""The model: transformers' Qwen2 (the model class only) with the GPT-2 vocabulary, activation checkpointing on every
+decoder layer, a forward that returns the loss without ever holding a whole batch's logits, and generation with it."""
 import functools
 
 import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from common import END_OF_TURN, EOT_ID, IGNORE_INDEX, MODEL_PRESETS, SPECIAL_TOKENS, VOCAB_SIZE
 
 
+class Qwen2WithChunkedLoss(Qwen2ForCausalLM):
+    """transformers' Qwen2ForCausalLM whose forward also takes the targets and returns the loss, from logits made a
+    chunk at a time at the target positions only (never a whole batch's):
+
+        model(input_ids=..., targets=...)                    the sum of -log p(target) over the targets
+        model(input_ids=..., targets=..., reduction="none")  -log p(target) of each target, in row-major order
+        model(input_ids=...)                                 transformers' own forward: logits (generate() uses it)
+
+    The loss is computed inside forward so that FSDP's and DDP's hooks around model(...) cover the head as well."""
+
+    def forward(self, input_ids=None, targets=None, reduction="sum", logits_to_keep=0, **kwargs):
+        if targets is None:
+            return super().forward(input_ids=input_ids, logits_to_keep=logits_to_keep, **kwargs)
+        hidden = self.model(input_ids=input_ids).last_hidden_state
+        if reduction == "none":
+            return chunked_token_losses(hidden, self.lm_head.weight, targets)
+        return chunked_cross_entropy(hidden, self.lm_head.weight, targets)
+
+
 def build_model(preset, activation_checkpointing="full"):
-    """A Qwen2 model (model class only) with the GPT-2 vocabulary and activation checkpointing on, "full" or
-    "selective" (see SELECTIVE_CHECKPOINT_SAVES).
+    """A Qwen2WithChunkedLoss with the GPT-2 vocabulary and activation checkpointing on, "full" or "selective" (see
+    SELECTIVE_CHECKPOINT_SAVES).
 
     Init: transformers' own Qwen2 init, normal(0, 0.02) for every matrix and zero biases, the scheme the
     released Qwen2 models use. With tied embeddings of that size the first logits are near zero, so
     the first loss sits at ln(50,304) = 10.83: a free sanity check of the whole pipeline.
     """
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     config = Qwen2Config(
         vocab_size=VOCAB_SIZE, **MODEL_PRESETS[preset]["model"],
         max_position_embeddings=32_768, rope_parameters={"rope_type": "default",
@@ -25,31 +44,16 @@ def build_model(preset, activation_checkpointing="full"):
         bos_token_id=EOT_ID, eos_token_id=EOT_ID, pad_token_id=EOT_ID, use_cache=False,
         attn_implementation="sdpa",
     )
-    model = Qwen2ForCausalLM(config)
+    model = Qwen2WithChunkedLoss(config)
     # Recompute each decoder layer in backward instead of storing its activations (non-reentrant).
     checkpoint_kwargs = {"use_reentrant": False}
     if activation_checkpointing == "selective":  # torch's selective checkpointing: a policy per op
-        from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
         checkpoint_kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts,
                                                             selective_checkpoint_policy)
     model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs)
     # transformers also hooks the embedding to make its output require grad, even under no_grad: only reentrant
     # checkpointing needs that, and under --compile it would cost every bucket a third graph (evaluation, first layer).
     model.disable_input_require_grads()
-    hf_forward = model.forward
-
-    def forward(input_ids=None, targets=None, weights=None, **kwargs):
-        """model(input_ids=..., targets=...) returns the summed loss over the targets, from logits made
-        a chunk at a time (weighted, if weights are given); without targets it is transformers' own forward
-        (logits; generate() uses it). Set on the model itself so that FSDP's and DDP's hooks around model(...)
-        run as usual."""
-        if targets is None:
-            return hf_forward(input_ids=input_ids, **kwargs)
-        hidden = model.model(input_ids=input_ids).last_hidden_state
-        return chunked_cross_entropy(hidden, model.lm_head.weight, targets, weights)
-
-    model.forward = forward
     return model
 
 
@@ -65,8 +69,6 @@ SELECTIVE_CHECKPOINT_SAVES = {
 
 
 def selective_checkpoint_policy(ctx, op, *args, **kwargs):
-    from torch.utils.checkpoint import CheckpointPolicy
-
     return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_CHECKPOINT_SAVES else CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -81,7 +83,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     backward has nothing left to do but scale: the same FLOPs as the plain loss, a fraction of its memory."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, row_weights=None):
+    def forward(ctx, hidden, weight, targets):
         needs_grad = any(ctx.needs_input_grad[:2])
         loss = torch.zeros((), device=hidden.device, dtype=torch.float32)
         grad_hidden = torch.empty_like(hidden) if needs_grad else None
@@ -91,13 +93,10 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             chunk, chunk_targets = hidden[start:start + rows], targets[start:start + rows]
             logits = (chunk @ weight.T).float()  # in the compute dtype (bf16 under mixed precision), then fp32
             log_normalizer = logits.logsumexp(dim=-1)
-            token_losses = log_normalizer - logits.gather(1, chunk_targets[:, None]).squeeze(1)
-            loss += (token_losses if row_weights is None else token_losses * row_weights[start:start + rows]).sum()
+            loss += (log_normalizer - logits.gather(1, chunk_targets[:, None]).squeeze(1)).sum()
             if needs_grad:
                 grad_logits = logits.sub_(log_normalizer[:, None]).exp_()  # softmax, in place
                 grad_logits[torch.arange(len(chunk)), chunk_targets] -= 1
-                if row_weights is not None:  # GRPO: each position's loss weighs its advantage
-                    grad_logits *= row_weights[start:start + rows, None]
                 grad_logits = grad_logits.to(chunk.dtype)
                 grad_hidden[start:start + rows] = grad_logits @ weight
                 grad_weight += grad_logits.T @ chunk
@@ -108,20 +107,33 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None
+        return grad_hidden * grad_loss, grad_weight * grad_loss, None
 
 
-def chunked_cross_entropy(hidden, weight, targets, weights=None):
-    """Sum of -log p(target) over the positions whose target is not IGNORE_INDEX, each times its weight if weights
-    (broadcastable to targets) are given. Logits are made only at those positions (padding, and prompts in SFT,
-    cost nothing in the head) and a chunk at a time. Always eager: --compile compiles the decoder layers only, and
-    this has data-dependent shapes (which positions are targets)."""
+def chunked_cross_entropy(hidden, weight, targets):
+    """Sum of -log p(target) over the positions whose target is not IGNORE_INDEX. Logits are made only at those
+    positions (padding, and prompts in SFT, cost nothing in the head) and a chunk at a time. Always eager: --compile
+    compiles the decoder layers only, and this has data-dependent shapes (which positions are targets)."""
     if not torch.is_grad_enabled():  # evaluation: apply() would see the weight's requires_grad and make its gradient
         hidden, weight = hidden.detach(), weight.detach()
     is_target = targets != IGNORE_INDEX
-    row_weights = None if weights is None else torch.broadcast_to(weights, targets.shape)[is_target].float()
-    return ChunkedCrossEntropy.apply(hidden[is_target], weight, targets[is_target], row_weights)
+    return ChunkedCrossEntropy.apply(hidden[is_target], weight, targets[is_target])
 
+
+def chunked_token_losses(hidden, weight, targets):
+    """-log p(target) at each position whose target is not IGNORE_INDEX, in row-major order: a loss per token, for a
+    caller that weighs them (GRPO). Logits are made a chunk at a time and recomputed in backward (torch's checkpoint),
+    since a weighted backward cannot be worked out in the forward as the summed loss's is: one more head matmul."""
+    is_target = targets != IGNORE_INDEX
+    hidden, targets = hidden[is_target], targets[is_target]
+    rows = LOSS_CHUNK_ROWS.get(hidden.device.type, 4096)
+    # At least one chunk, though it be empty: a rank with no targets still gives every parameter a (zero) gradient.
+    return torch.cat([checkpoint(token_losses, hidden[start:start + rows], weight, targets[start:start + rows],
+                                 use_reentrant=False) for start in range(0, max(1, len(hidden)), rows)])
+
+
+def token_losses(hidden, weight, targets):
+    return torch.nn.functional.cross_entropy((hidden @ weight.T).float(), targets, reduction="none")
 
 
 def count_parameters(model):

@@ -78,25 +78,42 @@ model = modeling.build_model(args.model, args.activation_checkpointing).to(devic
 n_params, model_config = modeling.count_parameters(model), model.config
 if rank == 0:
     common.write_config(args, SCRIPT, world_size, device, dtype, n_params, dp_size)  # the start block, config.json
-# This rank's stage: its decoder layers under their own names (layers.<i>: checkpoints keyed as the other scripts'), the
-# embedding on the first stage, norm and head on the last (which keeps the embedding module too: one name, one weight).
-stage_layers = range(stage_index * n_layers // args.pp, (stage_index + 1) * n_layers // args.pp)
-model.model.layers = torch.nn.ModuleDict({str(i): model.model.layers[i] for i in stage_layers})
-if not is_last:
-    del model.model.norm, model.lm_head
-if not (is_first or is_last):
-    del model.model.embed_tokens
+# bf16 matmuls on fp32 weights: the forward and the loss run inside `with autocast:`, the backward follows their dtypes.
+autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+
+class ModelStage(torch.nn.Module):
+    """This rank's part of the model, named as in the whole model (checkpoints too); a part it lacks is None."""
+
+    def __init__(self, causal_lm, layer_ids):
+        super().__init__()
+        self.model = causal_lm.model  # the decoder, cut down to this stage's layers
+        self.model.layers = torch.nn.ModuleDict({str(i): self.model.layers[i] for i in layer_ids})
+        self.model.embed_tokens = self.model.embed_tokens if is_first or is_last else None  # last: the head's weight
+        self.model.norm, self.lm_head = (self.model.norm, causal_lm.lm_head) if is_last else (None, None)
+
+    def forward(self, hidden):  # token ids into the first stage, the final norm's output out of the last
+        with autocast:
+            hidden = self.model.embed_tokens(hidden) if is_first else hidden
+            rotary = self.model.rotary_emb(hidden, torch.arange(hidden.shape[1], device=hidden.device)[None])  # cos/sin
+            for layer in self.model.layers.values():
+                hidden = layer(hidden, position_embeddings=rotary)
+            return self.model.norm(hidden) if is_last else hidden
+
+    def loss(self, output, targets, scale):  # the last stage's: the chunked loss of the norm's output and the head
+        with autocast:
+            return modeling.chunked_cross_entropy(output, self.lm_head.weight, targets) * scale
+
+
+model = ModelStage(model, range(stage_index * n_layers // args.pp, (stage_index + 1) * n_layers // args.pp))
 if args.compile:
     torch._dynamo.config.recompile_limit = 2 * len(args.buckets)  # per bucket a training and an evaluation graph
     for layer in model.model.layers.values():  # regional: all layers share each bucket's graph; hooks stay outside
         layer.compile(dynamic=False)  # in place (state_dict keys unchanged); static shapes: each bucket its own kernels
 
 # ---------------------------------------------------------------------------------------------- wrap
-# A stage's replicas average their gradients (static_graph, or GPipe trips DDP's bucket rebuild: an assert, torch 2.13).
 model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, process_group=mesh["dp"].get_group(),
-            static_graph=True)
-# bf16 matmuls, fp32 weights.
-model.forward = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)(model.forward)
+            static_graph=True)  # a stage's replicas; static, or GPipe trips DDP's bucket rebuild (assert, torch 2.13)
 
 # ---------------------------------------------------------------------------------------------- optimizer
 # Matrices decay; biases and norm gains do not. Decided by name: under FSDP1 every parameter is a flat 1-D shard.
@@ -151,23 +168,6 @@ def make_schedule(lengths, epoch, grad_accum, order):
 
 
 # ---------------------------------------------------------------------------------------------- pipeline
-def stage_forward(hidden, decoder=model.module.model):  # token ids in on the first stage, the norm's output out last
-    if is_first:
-        hidden = decoder.embed_tokens(hidden)
-    positions = torch.arange(hidden.shape[1], device=hidden.device)[None]
-    rotary = decoder.rotary_emb(hidden, positions)  # the cos and sin of each position, as Qwen2Model makes them
-    for layer in decoder.layers.values():
-        hidden = layer(hidden, position_embeddings=rotary)
-    return decoder.norm(hidden) if is_last else hidden
-
-
-model.module.forward = stage_forward  # what DDP calls
-
-
-def loss_fn(output, targets, scale):  # the last stage's: the chunked loss of the norm's output and the head
-    return modeling.chunked_cross_entropy(output, model.module.lm_head.weight, targets) * scale
-
-
 pipeline_schedules = {}  # bucket length -> the schedule of that shape's stage
 
 
@@ -178,7 +178,7 @@ def run_pipeline(split, samples, bucket_len, scale, train):
         stage = PipelineStage(model, stage_index, args.pp, device, group=mesh["pp"].get_group())
         schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.pp_schedule]
         # scale_grads=False: the loss is already a sum over the whole step, not to be divided by the micro-batches.
-        pipeline_schedules[bucket_len] = schedule(stage, args.grad_accum, loss_fn=loss_fn, scale_grads=False)
+        pipeline_schedules[bucket_len] = schedule(stage, args.grad_accum, loss_fn=model.module.loss, scale_grads=False)
     batch_size = data.bucket_batch_size(args.tokens_per_batch, bucket_len)
     batches = [data.collate(split, samples[m * dp_size + dp_rank::dp_size * args.grad_accum], bucket_len, batch_size)
                for m in range(args.grad_accum)]

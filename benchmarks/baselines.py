@@ -55,11 +55,10 @@ def report(tokens, padded_tokens, seconds, **extra):
 
 
 def hf_model():
-    """A plain Qwen2ForCausalLM of the preset's shape: transformers' own forward and loss (full logits)."""
+    """The preset's model, called as Trainer and TRL call it (labels=, no targets=): transformers' own forward and loss
+    (full logits)."""
     torch.manual_seed(args.seed)
-    model = modeling.build_model(args.model)
-    del model.forward  # back to the class's forward: what Trainer and TRL call with labels=
-    return model
+    return modeling.build_model(args.model)
 
 
 if cli.mode == "bare":
@@ -80,7 +79,7 @@ if cli.mode == "bare":
         for layer in model.model.layers:
             layer.compile(dynamic=False)
     model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    model.forward = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")(model.forward)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), fused=True)
     schedule = data.epoch_schedule(train.lengths, args.buckets, args.tokens_per_batch, world_size, 1, args.seed, 0)
     if len(schedule) < cli.steps:  # ours would go on into epoch 1: the step times would no longer pair up
@@ -94,7 +93,9 @@ if cli.mode == "bare":
         batch_size = data.bucket_batch_size(args.tokens_per_batch, bucket_len)
         input_ids, targets = data.collate(train, step_samples[rank::world_size], bucket_len, batch_size)
         target_tokens = int(train.target_counts[step_samples].sum())
-        (model(input_ids=input_ids.to(device), targets=targets.to(device)) * world_size / target_tokens).backward()
+        with autocast:
+            loss_sum = model(input_ids=input_ids.to(device), targets=targets.to(device))
+        (loss_sum * world_size / target_tokens).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if step > cli.skip:

@@ -7,7 +7,6 @@ ROLLOUTS (the sampled replies; greedy evaluation is left alone):
     constant          every reply is "The answer is 7." between the solution markers: all rewards of a group equal
     answer-by-sample  reply j of a group answers j: rewards differ within a group, the same on any number of ranks
     uneven            real sampling, but rank 0 stops after 1 token while the others run to the end
-ADVANTAGES=ones makes every advantage 1 (the loss is then the SFT loss on the same tokens).
 """
 import os
 import runpy
@@ -16,18 +15,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-import common  # noqa: E402
 import modeling  # noqa: E402
+from helpers import reply_saying  # noqa: E402
 
 mode, rank = os.environ["ROLLOUTS"], int(os.environ.get("RANK", 0))
-tokenizer = common.get_chat_tokenizer()
 real_generate_replies = modeling.generate_replies
-
-
-def reply_saying(answer):
-    text = f"<|begin_of_solution|>\n\nThe answer is {answer}.\n\n<|end_of_solution|>"
-    return (tokenizer.encode(text, allowed_special=set(common.REASONING_MARKERS))
-            + [common.SPECIAL_TOKENS[common.END_OF_TURN]])
 
 
 def generate_replies(model, prompts, max_new_tokens, temperature=0.0, top_k=None, synced=False):
@@ -42,8 +34,6 @@ def generate_replies(model, prompts, max_new_tokens, temperature=0.0, top_k=None
 
 
 modeling.generate_replies = generate_replies
-if os.environ.get("ADVANTAGES") == "ones":
-    common.group_advantages = lambda rewards, group_size: rewards * 0 + 1
 script = str(REPO / sys.argv[1])
 sys.argv = [script, *sys.argv[2:]]
 runpy.run_path(script, run_name="__main__")

@@ -54,6 +54,15 @@ def check(result):
     return result
 
 
+def reply_saying(answer):
+    """The token ids of a reply "The answer is ANSWER." between the solution markers, then its end marker."""
+    import common
+
+    text = f"<|begin_of_solution|>\n\nThe answer is {answer}.\n\n<|end_of_solution|>"
+    return (common.get_chat_tokenizer().encode(text, allowed_special=set(common.REASONING_MARKERS))
+            + [common.SPECIAL_TOKENS[common.END_OF_TURN]])
+
+
 def read_metrics(out_dir):
     rows = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
     train = {row["step"]: row for row in rows if "loss" in row}

@@ -10,18 +10,15 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+import checkpoints
 import common
 import evaluate
 import prepare_data
-from helpers import SFT_DATA, TINY_RUN, check, model_tensors, read_metrics, run_script
-
-# what tests/fixed_rollouts.py's "constant" replies say
-REPLY_7 = "<|begin_of_solution|>\n\nThe answer is 7.\n\n<|end_of_solution|>"
+from helpers import SFT_DATA, TINY_RUN, check, model_tensors, read_metrics, reply_saying, run_script
 
 
-def fixed(mode, *flags, nproc=2, advantages=None):
-    env = {"ROLLOUTS": mode, **({"ADVANTAGES": advantages} if advantages else {})}
-    return run_script("tests/fixed_rollouts.py", "fsdp2_grpo.py", *flags, nproc=nproc, env=env)
+def fixed(mode, *flags, nproc=2):
+    return run_script("tests/fixed_rollouts.py", "fsdp2_grpo.py", *flags, nproc=nproc, env={"ROLLOUTS": mode})
 
 
 def builtin_prompt_tokens():
@@ -74,28 +71,42 @@ def test_equal_rewards_give_zero_loss_and_leave_the_weights_unchanged(tiny_run, 
     assert before.keys() == after.keys() and all(torch.equal(before[name], after[name]) for name in before)
 
 
-def test_advantages_of_one_give_the_sft_loss_and_gradients_on_the_same_tokens(tiny_run, tmp_path):
-    """9 conversations of one question whose reply is exactly what the fixed rollouts say; 1 is held out, 8 make one
-    SFT step; GRPO's step is 4 prompts x 2 replies (a group holds 2 at least), the same 8 conversations."""
-    record = prepare_data.builtin_reasoning_records(1, seed=5)[0]
-    data = tmp_path / "qa.jsonl"
-    reply = {"from": "assistant", "value": REPLY_7}
-    row = {"system": record["system"], "conversations": [record["conversations"][0], reply]}
-    data.write_text((json.dumps(row) + "\n") * 9)
-    flags = ["--model", "tiny", "--data", data, "--cache-dir", tmp_path / "cache", "--buckets", 128,
-             "--tokens-per-batch", 512, "--val-fraction", 0.1, "--max-steps", 1, "--eval-generate", 0,
-             "--dtype", "fp32"]
-    # The SFT with lr 0: its step-1 checkpoint holds the weights both runs start from, its row the SFT loss and norm.
-    check(run_script("fsdp2_sft.py", *flags, "--init-from", tiny_run("fsdp2_pretrain.py")[0], "--lr", 0,
-                     "--out-dir", tmp_path / "sft", nproc=2))
-    check(fixed("constant", *flags, "--init-from", tmp_path / "sft", "--group-size", 2, "--prompts-per-step", 2,
-                "--out-dir", tmp_path / "grpo", advantages="ones"))
-    sft, grpo = read_metrics(tmp_path / "sft")[0][1], read_metrics(tmp_path / "grpo")[0][1]
-    _, labels = common.encode_conversation(common.get_chat_tokenizer(), [("assistant", REPLY_7)])
-    # the same 8 replies
-    assert grpo["target_tokens"] == sft["target_tokens"] == 8 * sum(label != common.IGNORE_INDEX for label in labels)
-    assert grpo["loss"] == pytest.approx(sft["loss"], abs=1e-6)
-    assert grpo["grad_norm"] == pytest.approx(sft["grad_norm"], abs=1e-6)
+def test_the_loss_is_the_policy_gradient_computed_in_plain_pytorch_and_a_rank_without_prompts_adds_nothing(tiny_run,
+                                                                                                            tmp_path):
+    """Six rows of one question (one held out): five training prompts on 2 ranks at 1 prompt per rank, so two steps
+    take two groups and the third, the epoch's short one, one group (rank 1 has no prompt). Reply j of a group answers
+    j: reply 7 alone is right. With --lr 0 the weights stay the SFT's, so every step's loss and gradient norm are
+    those of the objective written here from transformers' full logits: -sum(advantage x log p(token)) / tokens."""
+    sft_dir, _ = tiny_run("fsdp2_sft.py")
+    question, data = "What is 3 + 4?", tmp_path / "qa.jsonl"
+    data.write_text((json.dumps({"prompt": question, "answer": "7"}) + "\n") * 6)
+    check(fixed("answer-by-sample", *TINY_RUN, "--data", data, "--init-from", sft_dir, "--group-size", 10,
+                "--prompts-per-step", 1, "--max-steps", 3, "--lr", 0, "--eval-every", 100, "--eval-generate", 0,
+                "--out-dir", tmp_path / "grpo"))
+    tokenizer = common.get_chat_tokenizer()
+    prompt = common.encode_conversation(tokenizer, [("user", question)])[0] + [common.SPECIAL_TOKENS["<|assistant|>"]]
+    replies = [reply_saying(j) for j in range(10)]
+    rewards = torch.tensor([float(j == 7) for j in range(10)])
+    advantages = rewards - rewards.mean()
+    model, _ = checkpoints.load_checkpoint_model(checkpoints.resolve_checkpoint(sft_dir))
+    width = max(len(prompt + reply) for reply in replies)
+    input_ids = torch.tensor([prompt + reply + [common.EOT_ID] * (width - len(prompt + reply)) for reply in replies])
+    log_probs = torch.log_softmax(model(input_ids=input_ids).logits.float(), dim=-1)
+    reply_log_probs = torch.stack([log_probs[j, len(prompt) - 1 + torch.arange(len(reply)), reply].sum()
+                                   for j, reply in enumerate(replies)])  # log p of each whole reply
+    reply_tokens = sum(map(len, replies))
+    loss = -(advantages * reply_log_probs).sum() / reply_tokens
+    loss.backward()
+    grad_norm = torch.stack([p.grad.square().sum() for p in model.parameters()]).sum().sqrt()
+    train, _ = read_metrics(tmp_path / "grpo")
+    # the epoch's steps in shuffled order: one of them is the short one
+    assert sorted(train[step]["target_tokens"] for step in (1, 2, 3)) == [1 * reply_tokens, 2 * reply_tokens,
+                                                                          2 * reply_tokens]
+    for step in (1, 2, 3):
+        assert train[step]["reward"] == 0.1 and train[step]["zero_spread_groups"] == 0
+        assert train[step]["loss"] == pytest.approx(loss.item(), abs=1e-6)
+        assert train[step]["grad_norm"] == pytest.approx(grad_norm.item(), rel=1e-5)
+    assert loss.item() != 0
 
 
 def test_one_rank_and_two_ranks_take_the_same_steps_on_the_same_rollouts(tiny_run, tmp_path):

@@ -2,6 +2,7 @@
 changing bucket shapes; the tied embedding's two copies stay one weight; its checkpoints resume in fsdp2_pretrain.py
 (export_hf.py: test_export_hf.py; a crash and its resume: test_crash.py)."""
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -19,9 +20,21 @@ def test_two_stages_train_as_ddp_on_one_process_across_bucket_shapes(tiny_run, d
     assert read_metrics(out)[1] == pytest.approx(read_metrics(ddp_one_process)[1], abs=1e-4)  # evaluation too
 
 
-def test_gpipe_and_1f1b_take_the_same_steps(tiny_run, tmp_path):
-    check(run_script("pp_pretrain.py", *PP_RUN, "--pp-schedule", "gpipe", "--out-dir", tmp_path, nproc=2))
-    assert_same_steps(tmp_path, tiny_run("pp_pretrain.py")[0], range(1, 21), 1e-6, 1e-6)
+def test_under_bf16_gpipe_trains_as_ddp_does_the_head_and_loss_in_bf16_too(tmp_path):
+    """--dtype bf16 on CPU: each stage's forward and the last stage's loss run inside autocast, as DDP's forward and
+    loss do, so the two take the same bf16 steps (a head and loss left in fp32 made step 0's loss differ by 1.5e-4).
+    GPipe here, 1F1B in the shared fp32 run: both schedules are held to DDP."""
+    flags = [*PP_RUN, "--dtype", "bf16", "--max-steps", 4, "--eval-every", 4]
+
+    def run(script):  # side by side: one process of DDP, two stages of PP, the same 2 micro-batches a step
+        return check(run_script(script, *flags, "--pp-schedule", "gpipe", "--out-dir", tmp_path / script, nproc=2)
+                     if script == "pp_pretrain.py" else run_script(script, *flags, "--out-dir", tmp_path / script))
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        list(pool.map(run, ["ddp_pretrain.py", "pp_pretrain.py"]))
+    assert_same_steps(tmp_path / "pp_pretrain.py", tmp_path / "ddp_pretrain.py", range(1, 5), 1e-4, 1e-4)
+    pp_val, ddp_val = read_metrics(tmp_path / "pp_pretrain.py")[1], read_metrics(tmp_path / "ddp_pretrain.py")[1]
+    assert pp_val[0] == pytest.approx(ddp_val[0], abs=1e-6) and pp_val[4] == pytest.approx(ddp_val[4], abs=1e-3)
 
 
 def test_the_tied_embedding_and_head_stay_one_weight(tiny_run):

@@ -3,6 +3,7 @@ and --init-from lookups and the checks on a resume; reading an exported Hugging 
 one plain model. How each strategy saves and loads its state (DCP or torch.save) is written out in the scripts."""
 import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 
@@ -10,6 +11,14 @@ import torch
 
 import common
 import modeling
+
+
+class CheckpointError(common.ReportedError):
+    """A checkpoint (or an exported folder) that cannot be read or does not fit the model: a file damaged or lost
+    since it was written, tensors of other names or shapes. Not a flag's fault, though another --resume or
+    --init-from may avoid it. Exit status 3."""
+    exit_status = 3
+
 
 # ----------------------------------------------------------------------------------------------
 # Finding, committing and pruning. A save writes into a hidden .partial_step_<N> folder, renamed to step_<N> once
@@ -69,8 +78,8 @@ def read_meta(checkpoint_dir, flag):
             meta = json.loads(export.read_text()) if export.is_file() else {"script": "hf", "step": None, "data": None}
             return {**meta, "model": hf_preset(checkpoint_dir), "hf": True}
         except (OSError, ValueError) as error:
-            raise common.UsageError(f"{flag} {checkpoint_dir}: its config.json or export.json cannot be read "
-                                    f"({common.error_reason(error)})") from None
+            raise CheckpointError(f"{flag} {checkpoint_dir}: its config.json or export.json cannot be read "
+                                  f"({common.error_reason(error)})") from None
     try:
         meta = json.loads((Path(checkpoint_dir) / "meta.json").read_text())
     except (OSError, ValueError):
@@ -82,8 +91,8 @@ def read_meta(checkpoint_dir, flag):
         path = Path(checkpoint_dir) / name
         if not path.is_file() or path.stat().st_size != size:
             found = f"{path.stat().st_size} bytes" if path.is_file() else "missing"
-            raise common.UsageError(f"{flag} {checkpoint_dir} is damaged: {name} is {found}, {size} bytes were "
-                                    f"written; pass an older checkpoint folder")
+            raise CheckpointError(f"{flag} {checkpoint_dir} is damaged: {name} is {found}, {size} bytes were "
+                                  f"written; pass an older checkpoint folder")
     return meta
 
 
@@ -150,15 +159,10 @@ def check_resume(resume_dir, args, data_order):
                                     f"{flag}")
     # The number of ranks may change, the global batch may not.
     if saved["samples_per_step"] != data_order["samples_per_step"]:
-        if "prompts_per_step" in data_order:
-            raise common.UsageError(f"--prompts-per-step {args.prompts_per_step} x {data_order['world_size']} ranks "
-                                    f"gives {data_order['samples_per_step'][0]} prompts per step; the run of --resume "
-                                    f"{resume_dir} took {saved['samples_per_step'][0]}: keep prompts per step x ranks "
-                                    f"as it was")
-        raise common.UsageError(f"--tokens-per-batch {args.tokens_per_batch} x --grad-accum {args.grad_accum} x "
-                                f"{data_order['world_size']} ranks gives {data_order['samples_per_step']} samples per "
-                                f"step in buckets {args.buckets}; the run of --resume {resume_dir} took "
-                                f"{saved['samples_per_step']}: keep tokens per batch x grad accum x ranks as it was")
+        flags = " x ".join(f"--{name.replace('_', '-')} {value}" for name, value in data_order["batch_flags"].items())
+        raise common.UsageError(f"{flags} x {data_order['world_size']} ranks gives {data_order['samples_per_step']} "
+                                f"samples per step in buckets {args.buckets}; the run of --resume {resume_dir} took "
+                                f"{saved['samples_per_step']}: keep their product as it was")
     before, now = meta.get("config", {}), common.flag_values(args)  # every flag of the checkpoint's run, and this one's
     changed = [f"--{name.replace('_', '-')} {value} (was {before[name]})" for name, value in now.items()
                if name in before and name not in UNREPORTED_FLAGS and before[name] != value]
@@ -167,22 +171,24 @@ def check_resume(resume_dir, args, data_order):
               f"{meta['step'] + 1}", flush=True)
 
 
-def find_init_checkpoint(args):
-    """--init-from: a checkpoint folder of the script this stage starts from (common.INIT_FROM), a run folder (its
-    newest one), or an export_hf.py folder (the SFT takes any; GRPO one exported from fsdp2_sft.py). The SFT also
-    continues a chat model's (pipeline.py's control: more SFT)."""
-    source = common.INIT_FROM[args.stage]
+def find_init_checkpoint(args, source, chat_models_only=False):
+    """--init-from: a checkpoint folder, a run folder (its newest checkpoint) or an export_hf.py folder (default: the
+    newest under runs/<source>) of a model the script can start from: a checkpoint in fsdp2_pretrain.py's format, a
+    chat model's (CHAT_SCRIPTS), or an export; with chat_models_only, only a model that learned the chat format."""
     path = Path(args.init_from or f"runs/{source}")
     checkpoint_dir = newest_checkpoint(path)
     if checkpoint_dir is None:
         raise common.UsageError(f"no complete {source}.py checkpoint at {path}: run `torchrun --standalone "
                                 f"--nproc_per_node=2 {source}.py` first, or pass --init-from")
     meta = read_meta(checkpoint_dir, "--init-from")
-    more_sft = args.stage == "sft" and (meta.get("hf") or meta["script"] in common.CHAT_SCRIPTS)  # an export: a model
-    if not same_format(meta["script"], source) and not more_sft:
-        why = " (its model never learned the chat format and its markers)" if args.stage == "grpo" else ""
-        raise common.UsageError(f"--init-from {checkpoint_dir} was written by {meta['script']}.py{why}: this stage "
-                                f"starts from a {source}.py checkpoint")
+    chat_model = meta["script"] in common.CHAT_SCRIPTS  # an export names the script it was exported from
+    if chat_models_only and not chat_model:
+        raise common.UsageError(f"--init-from {checkpoint_dir} was written by {meta['script']}.py (its model never "
+                                f"learned the chat format and its markers): start from a {source}.py checkpoint")
+    if not (chat_model or meta.get("hf") or same_format(meta["script"], "fsdp2_pretrain")):
+        readable = ", ".join(f"{script}.py" for script in [*sorted(SAME_FORMAT[0]), *common.CHAT_SCRIPTS])
+        raise common.UsageError(f"--init-from {checkpoint_dir} was written by {meta['script']}.py: start from a "
+                                f"checkpoint of {readable}, or an export_hf.py folder")
     if meta["model"] != args.model:
         raise common.UsageError(f"--init-from {checkpoint_dir} holds a '{meta['model']}' model: pass --model "
                                 f"{meta['model']}")
@@ -204,8 +210,8 @@ def hf_preset(path):
         shape = {key: config.get(key) for key in preset["model"]}
         if config.get("vocab_size") == common.VOCAB_SIZE and shape == preset["model"]:
             return name
-    raise common.UsageError(f"{path} holds a model of no preset's shape ({', '.join(common.MODEL_PRESETS)}): export "
-                            f"one of these scripts' checkpoints")
+    raise CheckpointError(f"{path} holds a model of no preset's shape ({', '.join(common.MODEL_PRESETS)}): export "
+                          f"one of these scripts' checkpoints")
 
 
 def hf_state_dict(path):
@@ -217,8 +223,8 @@ def hf_state_dict(path):
     state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
     for name in [name for name in state if name.endswith("o_proj.bias")]:
         if state.pop(name).any():
-            raise common.UsageError(f"{path}: {name} is not zero, so a Qwen2 model cannot hold these weights: load it "
-                                    f"with transformers instead")
+            raise CheckpointError(f"{path}: {name} is not zero, so a Qwen2 model cannot hold these weights: load it "
+                                  f"with transformers instead")
     return state
 
 
@@ -240,6 +246,7 @@ def load_checkpoint_model(checkpoint_dir, device="cpu"):
         fsdp2_*          model/                            (DCP, model saved apart from the optimizer)
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     meta = read_meta(checkpoint_dir, "checkpoint")
     model = modeling.build_model(meta["model"]).eval()
@@ -254,7 +261,8 @@ def load_checkpoint_model(checkpoint_dir, device="cpu"):
         else:
             dcp.load(state, checkpoint_id=Path(checkpoint_dir) / "model")
         model.load_state_dict(state)
-    except Exception as exc:  # a truncated or foreign file: say which checkpoint, in one line
-        raise common.UsageError(f"checkpoint {checkpoint_dir} cannot be read ({common.error_reason(exc)}): it is "
-                                f"damaged or not of these scripts") from None
+    except (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError, CheckpointException) as exc:
+        # The sizes were right (read_meta), the bytes or the tensors are not: say which checkpoint, in one line.
+        raise CheckpointError(f"checkpoint {checkpoint_dir} cannot be read ({common.error_reason(exc)}): it is "
+                              f"damaged or not of these scripts") from None
     return model.to(device), meta

@@ -21,10 +21,19 @@ IGNORE_INDEX = -100  # label of positions that carry no loss (F.cross_entropy's 
 
 
 # ----------------------------------------------------------------------------------------------
-# Errors: bad input is one line naming the flag to change, never a traceback.
+# Errors: what we can name is one line, `error: ...`, with the exit status of its kind; never a traceback from our code.
 
-class UsageError(Exception):
-    """Bad input from the user: reported as one line that names the flag to change, never a traceback."""
+class ReportedError(Exception):
+    """A failure whose cause our code knows: reported as one line, and the process exits with `exit_status`. Each kind
+    is a subclass, in the module that raises it (docs/errors.md lists them); anything else is a bug, with a traceback
+    and Python's exit status 1."""
+    exit_status = 1
+
+
+class UsageError(ReportedError):
+    """Bad input from the user (a flag, the data, a run folder): the line names the flag to change. Found before any
+    rank starts a collective, alike on every rank. Exit status 2, as argparse's own errors."""
+    exit_status = 2
 
 
 def error_reason(error):
@@ -40,18 +49,21 @@ def error_reason(error):
     return f"{type(error).__name__}: {lines[0][:200]}" if lines else type(error).__name__
 
 
-def _report_usage_error(exc_type, exc, tb, _default_hook=sys.excepthook):
-    # Every rank reaches the same UsageError (all validate the same input before any collective),
-    # so rank 0 alone prints it and the others leave quietly; the exit code is 1 either way.
-    if issubclass(exc_type, UsageError):
-        # The real stderr: torch.distributed's own hook would prefix "[rank0]:".
+def _report_error(exc_type, exc, tb, _default_hook=sys.excepthook):
+    # Every rank reaches the same error (all check the same input, and the loss is global), so rank 0 alone prints it,
+    # on the real stderr (torch.distributed's own hook would prefix "[rank0]:"); every rank exits with its kind's
+    # status. os._exit: an exception's exit would be 1 whatever the kind, and gloo's threads can abort a shutdown.
+    if not issubclass(exc_type, ReportedError):
+        return _default_hook(exc_type, exc, tb)
+    try:
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"error: {exc}", file=sys.__stderr__, flush=True)
-        return
-    _default_hook(exc_type, exc, tb)
+        sys.stdout.flush()
+    finally:
+        os._exit(exc.exit_status)
 
 
-sys.excepthook = _report_usage_error
+sys.excepthook = _report_error
 # Each bucket allocates activations of another shape: expandable segments let the CUDA allocator grow one mapping
 # instead of caching blocks of every size, so memory does not fragment as buckets alternate. A user's setting wins.
 if "PYTORCH_ALLOC_CONF" not in os.environ and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
@@ -62,7 +74,8 @@ warnings.filterwarnings("ignore", message=".*_get_pg_default_device.*|Multiple b
 
 
 # ----------------------------------------------------------------------------------------------
-# Presets. Each one also carries the training defaults that fit it, per stage; any flag overrides them.
+# Presets. Each one also carries the training defaults that fit it, one set per training script's kind; any flag
+# overrides them.
 
 # rope_theta, the RoPE base: Qwen2's 1,000,000 serves 32K-token contexts; within the few dozen tokens of a CPU preset's
 # sample its rotations barely turn, and the small SFT then took 2-3x the steps to learn to copy operands, how many
@@ -104,13 +117,12 @@ MODEL_PRESETS = {
                   save_every=100, prompts_per_step=8),
     ),
 }
-INIT_FROM = {"sft": "fsdp2_pretrain", "grpo": "fsdp2_sft"}  # the script whose checkpoint each later stage starts from
 CHAT_SCRIPTS = ("fsdp2_sft", "fsdp2_grpo")  # their models know the chat format and its markers
 
 
-def preset_defaults(model, stage):
-    """The training defaults preset `model` gives `stage` ("train", "sft" or "grpo")."""
-    return {"min_lr_ratio": 0.1, **MODEL_PRESETS[model][stage]}
+def preset_defaults(model, training_defaults):
+    """The training defaults that preset `model` gives under `training_defaults` (a key of its entry, as "train")."""
+    return {"min_lr_ratio": 0.1, **MODEL_PRESETS[model][training_defaults]}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -164,15 +176,42 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose errors are one line, `error: ...`, printed by rank 0 only (no usage block)."""
+    """argparse whose errors are one line, `error: ...`, printed by rank 0 only (no usage block). A training script's
+    parser also names the presets' training defaults it takes (training_defaults: a key of each preset's entry, as
+    "train"): a flag left unset (default None) takes the --model preset's value, and its help lists it per preset."""
 
-    def __init__(self, description):
+    def __init__(self, description, training_defaults=None):
+        self.training_defaults = training_defaults  # set first: argparse's __init__ adds --help through add_argument
         super().__init__(description=description, formatter_class=HelpFormatter)
+
+    def add_argument(self, *flags, **kwargs):
+        if self.training_defaults and kwargs.get("default", 0) is None and "help" in kwargs:  # the preset may fill it
+            kwargs["help"] = preset_help(kwargs["help"], flags[-1], self.training_defaults)
+        return super().add_argument(*flags, **kwargs)
+
+    def parse_args(self, args=None, namespace=None):
+        args = super().parse_args(args, namespace)
+        if self.training_defaults:  # the flags left unset take the --model preset's values
+            for name, value in preset_defaults(args.model, self.training_defaults).items():
+                if getattr(args, name) is None:
+                    setattr(args, name, value)
+        return args
 
     def error(self, message):
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"error: {message}", file=sys.stderr, flush=True)
         sys.exit(2)
+
+
+def preset_help(help, flag, training_defaults):
+    """A flag's help, and the value each preset gives it where it gives one."""
+    name = flag.lstrip("-").replace("-", "_")
+    values = {model: preset_defaults(model, training_defaults).get(name) for model in MODEL_PRESETS}
+    shown = {model: ",".join(map(str, value)) if isinstance(value, list) else value
+             for model, value in values.items() if value is not None}
+    if len(set(shown.values())) == 1 and len(shown) == len(MODEL_PRESETS):
+        return f"{help} (default: {next(iter(shown.values()))})"
+    return f"{help} (default by --model: {', '.join(f'{m}: {v}' for m, v in shown.items())})" if shown else help
 
 
 def add_data_arguments(add):
@@ -187,22 +226,12 @@ def add_data_arguments(add):
         help="documents taken from a hub dataset, streamed (0: all); local files and builtin are read whole")
 
 
-def get_parser(description, default_out_dir, stage="train"):
-    """The parser of a training script; stage "train", "sft" or "grpo" picks the preset's defaults and extra flags."""
-    parser = ArgumentParser(description)
-    parser.set_defaults(stage=stage)
-
-    def add(flag, help, **kwargs):  # a flag the preset fills lists its value per preset in its help
-        name = flag[2:].replace("-", "_")
-        values = {model: preset_defaults(model, stage).get(name) for model in MODEL_PRESETS}
-        shown = {model: ",".join(map(str, value)) if isinstance(value, list) else value
-                 for model, value in values.items() if value is not None}
-        if kwargs.get("default", 0) is None and len(set(shown.values())) == 1 and len(shown) == len(MODEL_PRESETS):
-            help += f" (default: {next(iter(shown.values()))})"
-        elif kwargs.get("default", 0) is None and shown:
-            help += f" (default by --model: {', '.join(f'{model}: {value}' for model, value in shown.items())})"
-        parser.add_argument(flag, help=help, **kwargs)
-
+def get_parser(description, default_out_dir, training_defaults="train", init_from=None, batches_of_samples=True):
+    """The parser of a training script, with the flags they share. training_defaults: the presets' defaults it takes
+    (ArgumentParser); init_from: the script whose newest checkpoint it starts from by default (adds --init-from);
+    batches_of_samples: its steps take length-bucketed batches of samples (adds --grad-accum and --bucket-order)."""
+    parser = ArgumentParser(description, training_defaults)
+    add = parser.add_argument
     add("--model", default="small", choices=list(MODEL_PRESETS), help="model preset (and its training defaults)")
     add_data_arguments(add)
     add("--val-fraction", type=number(float, above=0, below=1), default=0.05,
@@ -213,15 +242,17 @@ def get_parser(description, default_out_dir, stage="train"):
     add("--buckets", type=bucket_lengths, default=None, help="comma-separated bucket max lengths in tokens")
     add("--tokens-per-batch", type=COUNT, default=None,
         help="tokens per micro-batch per rank; a bucket's batch size is this // its length")
-    if stage != "grpo":  # GRPO's steps take prompts, not buckets of samples
+    if batches_of_samples:
         add("--grad-accum", type=COUNT, default=1, help="micro-batches per optimizer step on each rank")
     add("--lr", type=NON_NEGATIVE, default=None, help="peak learning rate")
     add("--min-lr-ratio", type=number(float, at_least=0, at_most=1), default=None,
         help="the cosine decays to lr * this")
     add("--warmup-steps", type=NON_NEGATIVE_INT, default=None, help="linear warmup steps")
-    add("--max-steps", type=COUNT, default=None, help="optimizer steps in the whole run")
-    add("--max-tokens", type=COUNT, default=None, help="the run's length in tokens instead of steps: steps = this / "
-        "tokens per step, shown at start (default: none, --max-steps sets the length)")
+    length = parser.add_mutually_exclusive_group()  # the run's length: in steps or in tokens, not both
+    length.add_argument("--max-steps", type=COUNT, default=None,
+                        help=preset_help("optimizer steps in the whole run", "--max-steps", training_defaults))
+    length.add_argument("--max-tokens", type=COUNT, default=None, help="the run's length in tokens instead of steps: "
+                        "steps = this / tokens per step, shown at start (default: none, --max-steps sets the length)")
     add("--weight-decay", type=NON_NEGATIVE, default=0.1, help="AdamW weight decay, on matrices only")
     add("--grad-clip", type=NON_NEGATIVE, default=1.0, help="clip the global gradient norm to this (0 = off)")
     add("--eval-every", type=COUNT, default=None,
@@ -240,65 +271,44 @@ def get_parser(description, default_out_dir, stage="train"):
         help="full: keep only each decoder layer's input and recompute the layer in backward (least memory); "
         "selective: also keep the outputs of its matmuls and attention, recompute only the element-wise ops "
         "(more memory; no matmul runs twice, about a quarter less compute)")
-    if stage != "grpo":
+    if batches_of_samples:
         add("--bucket-order", choices=["shuffled", "ascending"], default="shuffled",
             help="order of the batches in an epoch: shuffled, or short buckets first (the original recipe)")
-    if stage in INIT_FROM:
-        source = INIT_FROM[stage]
-        add("--init-from", default=None, help=f"checkpoint of {source}.py to start from: a checkpoint folder, a run "
-            f"folder (its newest) or an export_hf.py folder (default: the newest under runs/{source}, unless the "
-            f"preset names one)")
-        add("--eval-generate", type=NON_NEGATIVE_INT, default=200,
-            help="held-out problems answered by greedy generation at each evaluation (answer accuracy)")
-    if stage == "grpo":
-        add("--group-size", type=number(int, at_least=2), default=8, help="replies sampled per prompt: each is "
-            "rewarded against the others of its group (at least 2: a lone reply has no group, its advantage is 0)")
-        add("--prompts-per-step", type=COUNT, default=None, help="prompts per rank per optimizer step (at most the "
-            "training prompts / ranks)")
-        add("--reward", choices=REWARDS, default="final-number", help="how a reply is checked against the reference "
-            "answer: final-number, the last number between its solution markers (else in the whole reply); exact-text, "
-            "the text between its solution markers")
+    if init_from:
+        add("--init-from", default=None, help=f"the checkpoint to start from: a checkpoint folder, a run folder (its "
+            f"newest) or an export_hf.py folder (default: the newest under runs/{init_from})")
     return parser
 
 
-def finalize_args(args, data_ranks=1):
-    """Fill the preset's defaults and check what no single flag's type can, before anything heavy (or collective).
-    data_ranks: the ranks that read different samples (the world size, less what tensor parallelism shares)."""
-    if args.max_tokens is not None and args.max_steps is not None:
-        raise UsageError(f"--max-tokens {args.max_tokens} and --max-steps {args.max_steps} both set the run's length: "
-                         f"pass one of them")
-    for name, value in preset_defaults(args.model, args.stage).items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+def finalize_args(args, data_ranks=1, tokens_per_step=None):
+    """Check what no single flag's type can, before anything heavy (or collective), and set --max-steps from
+    --max-tokens. data_ranks: the ranks that read different samples (the world size, less what tensor parallelism
+    shares); tokens_per_step(args, data_ranks): the positions one step computes (default: batches of samples)."""
     if args.tokens_per_batch < args.buckets[-1]:
         raise UsageError(f"--tokens-per-batch {args.tokens_per_batch} is smaller than the largest bucket "
                          f"({args.buckets[-1]}): raise --tokens-per-batch or lower --buckets")
     if args.max_tokens is not None:
-        args.max_steps = -(-args.max_tokens // tokens_per_step(args, data_ranks))
+        args.max_steps = -(-args.max_tokens // (tokens_per_step or batch_tokens_per_step)(args, data_ranks))
     if Path(args.out_dir).exists() and not Path(args.out_dir).is_dir():
         raise UsageError(f"--out-dir {args.out_dir} is a file: choose a folder")
     return args
 
 
-def tokens_per_step(args, data_ranks):
-    """Positions one optimizer step computes, padding included: tokens per batch x micro-batches x the ranks that read
-    different samples (GRPO: its rollouts, each padded to the largest bucket, in batches of that bucket)."""
-    if args.stage == "grpo":
-        batch_size = args.tokens_per_batch // args.buckets[-1]
-        micro_batches = -(-args.prompts_per_step * args.group_size // batch_size)
-        return micro_batches * batch_size * args.buckets[-1] * data_ranks
+def batch_tokens_per_step(args, data_ranks):
+    """Positions one optimizer step of batches of samples computes, padding included: tokens per batch x micro-batches
+    x the ranks that read different samples."""
     return args.tokens_per_batch * args.grad_accum * data_ranks
 
 
 def flag_values(args):
     """{flag name: value} of every flag, as JSON holds them (for config.json and checkpoints' meta.json)."""
-    return json.loads(json.dumps({name: value for name, value in vars(args).items() if name != "stage"}))
+    return json.loads(json.dumps(vars(args)))
 
 
-def write_config(args, script, world_size, device, dtype, n_params, data_ranks=None):
+def write_config(args, script, world_size, device, dtype, n_params, data_ranks=None, tokens_per_step=None):
     """Rank 0, at the start: the resolved configuration, printed as one block and written to <out-dir>/config.json.
-    data_ranks: the ranks that read different samples (default: all of them)."""
-    step_tokens = tokens_per_step(args, data_ranks or world_size)
+    data_ranks: the ranks that read different samples (default: all of them); tokens_per_step: as finalize_args."""
+    step_tokens = (tokens_per_step or batch_tokens_per_step)(args, data_ranks or world_size)
     total_tokens = step_tokens * args.max_steps
     config = {"script": script, "world_size": world_size, "device": str(device),
               "dtype": str(dtype).removeprefix("torch."), "parameters": n_params, "tokens_per_step": step_tokens,

@@ -242,25 +242,20 @@ def collate(split, sample_ids, bucket_len, batch_size, pad_id=common.EOT_ID):
 # ----------------------------------------------------------------------------------------------
 # The data order: what the sequence of training samples depends on.
 
-def data_order(args, train, val, world_size):
+def data_order(args, train, val, world_size, samples_per_step=None, batch_flags=("tokens_per_batch", "grad_accum")):
     """What the order of the training samples depends on (the data, its split, the buckets, the seed and the samples
     per step), for every checkpoint's meta.json: a resume may not change it (checkpoints.check_resume). Checks first
-    that every rank gets samples and that the validation split has some."""
+    that every rank gets samples and that the validation split has some. samples_per_step: the samples one optimizer
+    step takes, per bucket, and batch_flags the flags that set them (default: batches of samples, tokens per batch //
+    bucket length x grad accum x ranks); a script whose steps take something else passes its own."""
     if len(train.lengths) < world_size:
         raise common.UsageError(f"the data gives {len(train.lengths)} training samples, fewer than the {world_size} "
                                 f"ranks: use more --data or fewer ranks")
     if not len(val.lengths):
         raise common.UsageError("the validation split is empty: use more --data or a larger --val-fraction")
-    order = {"data_sha256": train.content_sha256, "val_fraction": args.val_fraction, "buckets": args.buckets,
-             "seed": args.seed, "world_size": world_size}
-    if args.stage == "grpo" and args.prompts_per_step * world_size > len(train.lengths):
-        raise common.UsageError(f"--prompts-per-step {args.prompts_per_step} x {world_size} ranks is more than the "
-                                f"{len(train.lengths):,} training prompts: at most "
-                                f"{len(train.lengths) // world_size:,} per rank")
-    if args.stage == "grpo":  # its steps take prompts, prompts_per_step on each rank, whatever their length
-        return {**order, "prompts_per_step": args.prompts_per_step,
-                "samples_per_step": [args.prompts_per_step * world_size]}
-    samples_per_step = [bucket_batch_size(args.tokens_per_batch, length) * args.grad_accum * world_size
-                        for length in args.buckets]
-    return {**order, "bucket_order": args.bucket_order, "tokens_per_batch": args.tokens_per_batch,
-            "grad_accum": args.grad_accum, "samples_per_step": samples_per_step}
+    if samples_per_step is None:
+        samples_per_step = [bucket_batch_size(args.tokens_per_batch, length) * args.grad_accum * world_size
+                            for length in args.buckets]
+    return {"data_sha256": train.content_sha256, "val_fraction": args.val_fraction, "buckets": args.buckets,
+            "seed": args.seed, "world_size": world_size, "bucket_order": getattr(args, "bucket_order", None),
+            "samples_per_step": samples_per_step, "batch_flags": {flag: getattr(args, flag) for flag in batch_flags}}

@@ -3,10 +3,9 @@
     torchrun --standalone --nproc_per_node=2 fsdp2_grpo.py                    # after fsdp2_sft.py; builtin problems
     torchrun --standalone --nproc_per_node=8 fsdp2_grpo.py --model qwen2-0.5b --data data/gsm8k
 
-data/gsm8k is GSM8K's training problems, tokenized once by prepare_data.py --sft (its docstring says how): rows of a
-question and an answer, or of a prompt and an answer, or conversations. The built-in problems are answer-only too, of
-shapes the built-in SFT set never shows. The model starts from the newest checkpoint under runs/fsdp2_sft unless
---init-from names another.
+data/gsm8k is GSM8K's training problems ({question, answer} rows; {prompt, answer} rows and conversations work too),
+tokenized once by prepare_data.py --sft; the built-in problems are answer-only, of shapes the built-in SFT set never
+shows. The model starts from the newest checkpoint under runs/fsdp2_sft unless --init-from names another.
 """
 import json
 import os
@@ -40,21 +39,37 @@ SCRIPT = Path(__file__).stem  # names the run folder and is recorded in every ch
 # ---------------------------------------------------------------------------------------------- setup
 rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 local_rank = int(os.environ.get("LOCAL_RANK", 0))
-parser = common.get_parser(__doc__, f"runs/{SCRIPT}", stage="grpo")
+parser = common.get_parser(__doc__, f"runs/{SCRIPT}", "grpo", init_from="fsdp2_sft", batches_of_samples=False)
 parser.add_argument("--reshard-after-forward", type=common.boolean, default=True, help="true: a layer's gathered "
                     "parameters are freed after forward, gathered again in backward (ZeRO-3); false: kept (ZeRO-2)")
-args = common.finalize_args(parser.parse_args(), world_size)
+parser.add_argument("--eval-generate", type=common.NON_NEGATIVE_INT, default=200,
+                    help="held-out problems answered by greedy generation at each evaluation (answer accuracy)")
+parser.add_argument("--group-size", type=common.number(int, at_least=2), default=8, help="replies sampled per prompt "
+                    "and rewarded against each other (a lone reply has no group: its advantage is always 0)")
+parser.add_argument("--prompts-per-step", type=common.COUNT, default=None, help="prompts per rank per optimizer step")
+parser.add_argument("--reward", choices=common.REWARDS, default="final-number", help="a reply's answer, compared with "
+                    "the reference's: final-number, the last number between its solution markers (else in the whole "
+                    "reply); exact-text, the text between its solution markers")
+
+
+def rollout_tokens(args, ranks):  # a step's positions: its rollouts, padded to the largest bucket, in batches of it
+    rows = args.tokens_per_batch // args.buckets[-1]
+    return -(-args.prompts_per_step * args.group_size // rows) * rows * args.buckets[-1] * ranks
+
+
+args = common.finalize_args(parser.parse_args(), world_size, rollout_tokens)
 device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
 dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
 checkpoint_root = Path(args.out_dir) / "checkpoints"
 resume_dir = checkpoints.find_resume_checkpoint(args, checkpoint_root, SCRIPT)
-init_dir = checkpoints.find_init_checkpoint(args) if resume_dir is None else None  # a resume has its own weights
+init_dir = checkpoints.find_init_checkpoint(args, "fsdp2_sft", chat_models_only=True) if resume_dir is None else None
 
 # ---------------------------------------------------------------------------------------------- data
 tokenizer = common.get_chat_tokenizer()  # GPT-2 BPE plus the role and reasoning markers
 # Problems with reference answers (a conversation's reply, or a bare answer): the prompts and their answers.
 train, val = data.load_sft_data(args, tokenizer, kind="rl")
-data_order = data.data_order(args, train, val, world_size)  # what the sample order depends on (checked: enough samples)
+# What the sample order depends on (checked: enough samples); a step takes prompts_per_step prompts on each rank.
+data_order = data.data_order(args, train, val, world_size, [args.prompts_per_step * world_size], ["prompts_per_step"])
 checkpoints.check_resume(resume_dir, args, data_order)  # --resume: the same data order; says which other flags changed
 # A prompt is a conversation up to its last <|assistant|>; its answer, the reference reply's as --reward reads it.
 train_prompts, train_answers, _ = data.answer_prompts(tokenizer, train, len(train.lengths), args.reward)
@@ -62,6 +77,9 @@ if not train_prompts:
     where = "between <|begin_of_solution|> and <|end_of_solution|>" + ", or a number" * (args.reward == "final-number")
     raise common.UsageError(f"--reward {args.reward} finds no answer in any reference reply of --data {args.data} "
                             f"({where}): nothing can be rewarded; check --data and --reward")
+if args.prompts_per_step * world_size > len(train_prompts):  # 100000 once sampled 800,000 replies at a time
+    raise common.UsageError(f"--prompts-per-step {args.prompts_per_step}: at most {len(train_prompts) // world_size:,} "
+                            f"(the {len(train_prompts):,} training prompts / {world_size} ranks)")
 
 # ---------------------------------------------------------------------------------------------- distributed
 # Every input check is behind us: from here on the ranks talk to each other.
@@ -76,7 +94,7 @@ torch.manual_seed(args.seed)  # the same init on every rank, and in every script
 model = modeling.build_model(args.model, args.activation_checkpointing)
 n_params, model_config = modeling.count_parameters(model), model.config
 if rank == 0:
-    common.write_config(args, SCRIPT, world_size, device, dtype, n_params)  # the start block, and <out-dir>/config.json
+    common.write_config(args, SCRIPT, world_size, device, dtype, n_params, tokens_per_step=rollout_tokens)
 if args.compile:
     torch._dynamo.config.recompile_limit = 2 * len(args.buckets)  # per bucket a training and an evaluation graph
     for layer in model.model.layers:  # regional: all layers share each bucket's graph; the wrappers' hooks stay outside
@@ -89,7 +107,7 @@ for layer in model.model.layers:  # one unit per decoder layer: only one layer i
     fully_shard(layer, mp_policy=mixed_precision, reshard_after_forward=args.reshard_after_forward)
 fully_shard(model, mp_policy=mixed_precision)  # the root: embedding, tied head, final norm; default mesh: all ranks
 
-# ---------------------------------------------------------------------------------------------- init from the SFT
+# ---------------------------------------------------------------------------------------------- init from a checkpoint
 if init_dir is not None and checkpoints.is_hf_folder(init_dir):  # export_hf.py's: whole tensors; each rank keeps shards
     set_model_state_dict(model, checkpoints.hf_state_dict(init_dir), options=StateDictOptions(full_state_dict=True))
 elif init_dir is not None:
@@ -228,7 +246,7 @@ while step < args.max_steps:
         schedule = prompt_schedule(data_position["epoch"])
     _, step_prompts = schedule[data_position["index"]]  # the step's prompts, all ranks'
     data_position = {**data_position, "index": data_position["index"] + 1}
-    metrics.reset_peak_memory(device)  # each row's peak is its own step's
+    metrics.reset_peak_memory(device)  # each row's peak is its own step's, so per bucket
     step_start = time.perf_counter()
 
     # Rollout: group_size replies to each of this rank's prompts, sampled from the current policy (temperature 1, no
@@ -269,18 +287,18 @@ while step < args.max_steps:
         input_ids, targets = data.collate(rollouts, sample_ids, bucket_len, batch_size)
         row_advantages = torch.zeros(batch_size)
         row_advantages[:len(sample_ids)] = advantages[sample_ids.start:sample_ids.stop]
-        # The log-probability under the policy being trained of every reply token (the targets: reply tokens only), and
-        # the advantage of the reply it belongs to. Logits only at those tokens, a chunk at a time (modeling.py).
+        # Divide by the target tokens of the WHOLE step (all ranks, all micro-batches), not by this batch's:
+        # a long sample then weighs as much as it would in one big batch. The gradient sync averages over
+        # ranks, so we multiply by world_size to turn that average back into the sum.
         model.set_requires_gradient_sync(micro == micro_batches - 1)  # FSDP2's switch for no_sync()
+        # Each reply token's log-probability under the policy being trained (targets: reply tokens), and its advantage.
         log_probs = -model(input_ids=input_ids.to(device), targets=targets.to(device), reduction="none")
         token_advantages = row_advantages[:, None].expand_as(targets)[targets != common.IGNORE_INDEX].to(device)
-        # The policy gradient: raise the log-probability of the tokens of replies that did better than their group,
-        # lower the others'. Summed over the reply tokens and divided by those of the WHOLE step (all ranks), as
-        # pretraining and SFT divide. One optimizer step per batch of rollouts: the policy that sampled them is the one
-        # being updated, so no importance ratio, no clipping and no reference model are needed. Reusing rollouts for
-        # more steps would make them off-policy: PPO's ratio and clip would then have to come back.
+        # The policy gradient: raise the log-probability of the tokens of replies better than their group's mean, lower
+        # the others'. On-policy, one optimizer step per batch of rollouts: no importance ratio, clipping or reference
+        # model (reusing rollouts for more steps would bring PPO's ratio and clip back).
         micro_loss_sum = -(token_advantages * log_probs).sum()
-        (micro_loss_sum * world_size / target_tokens).backward()  # on every rank: the gradient sync is collective
+        (micro_loss_sum * world_size / target_tokens).backward()
         loss_sum += micro_loss_sum.detach()
     # The norm by hand, then the library clips with it: on CPU, torch's fp32 vector_norm (inside clip_grad_norm_)
     # drifts by ~1e-4 on large tensors (pytorch#169237), while a sum of squares is exact to ~1e-7.

@@ -38,15 +38,17 @@ SCRIPT = Path(__file__).stem  # names the run folder and is recorded in every ch
 # ---------------------------------------------------------------------------------------------- setup
 rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 local_rank = int(os.environ.get("LOCAL_RANK", 0))
-parser = common.get_parser(__doc__, f"runs/{SCRIPT}", stage="sft")
+parser = common.get_parser(__doc__, f"runs/{SCRIPT}", "sft", init_from="fsdp2_pretrain")
 parser.add_argument("--reshard-after-forward", type=common.boolean, default=True, help="true: a layer's gathered "
                     "parameters are freed after forward, gathered again in backward (ZeRO-3); false: kept (ZeRO-2)")
+parser.add_argument("--eval-generate", type=common.NON_NEGATIVE_INT, default=200,
+                    help="held-out problems answered by greedy generation at each evaluation (answer accuracy)")
 args = common.finalize_args(parser.parse_args(), world_size)
 device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
 dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
 checkpoint_root = Path(args.out_dir) / "checkpoints"
 resume_dir = checkpoints.find_resume_checkpoint(args, checkpoint_root, SCRIPT)
-init_dir = checkpoints.find_init_checkpoint(args) if resume_dir is None else None  # a resume has its own weights
+init_dir = checkpoints.find_init_checkpoint(args, "fsdp2_pretrain") if resume_dir is None else None  # a resume: its own
 
 # ---------------------------------------------------------------------------------------------- data
 tokenizer = common.get_chat_tokenizer()  # GPT-2 BPE plus the role and reasoning markers
@@ -81,7 +83,7 @@ for layer in model.model.layers:  # one unit per decoder layer: only one layer i
     fully_shard(layer, mp_policy=mixed_precision, reshard_after_forward=args.reshard_after_forward)
 fully_shard(model, mp_policy=mixed_precision)  # the root: embedding, tied head, final norm; default mesh: all ranks
 
-# ---------------------------------------------------------------------------------------------- init from pretraining
+# ---------------------------------------------------------------------------------------------- init from a checkpoint
 if init_dir is not None and checkpoints.is_hf_folder(init_dir):  # export_hf.py's: whole tensors; each rank keeps shards
     set_model_state_dict(model, checkpoints.hf_state_dict(init_dir), options=StateDictOptions(full_state_dict=True))
 elif init_dir is not None:
@@ -167,7 +169,8 @@ def evaluate():
     mine = list(range(rank, len(val_prompts), world_size))  # each rank answers its share, in one batch
     prompts = [val_prompts[i] for i in mine]
     replies = modeling.generate_replies(model, prompts, max_reply_tokens, synced=True) if val_prompts else []
-    correct = sum(common.solution_text(tokenizer, reply) == val_answers[i] for i, reply in zip(mine, replies))
+    answers = [common.solution_text(tokenizer, reply) for reply in replies]  # the text between the solution markers
+    correct = sum(answer == val_answers[i] for i, answer in zip(mine, answers))
     correct = torch.tensor(float(correct), device=device)
     dist.all_reduce(loss_sum)
     dist.all_reduce(correct)

@@ -1,4 +1,4 @@
-"""Sample from, or chat with, a checkpoint of any of the five scripts: one process, CPU or one GPU, no torchrun.
+"""Sample from, or chat with, a checkpoint of any training script: one process, CPU or one GPU, no torchrun.
 
     python generate.py runs/fsdp2_pretrain --prompt "The interpreter reads"          # continue a text
     python generate.py runs/fsdp2_sft --chat --prompt "Compute 7 - 3 + 5 - 2."       # one reply, greedy
@@ -45,7 +45,7 @@ def reply(prompt_tokens):
                                                args.top_k)[0]
     if new_tokens and new_tokens[-1] in (common.SPECIAL_TOKENS[common.END_OF_TURN], common.EOT_ID):
         new_tokens = new_tokens[:-1]  # the stop marker ends the reply; it is not part of it
-    return tokenizer.decode(new_tokens), new_tokens
+    return common.decode(tokenizer, new_tokens), new_tokens  # the vocabulary's padding rows decode to nothing
 
 
 if not args.chat:  # a pretrained (or any) model continues plain text

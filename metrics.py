@@ -75,6 +75,11 @@ def open_metrics(path, resumed_step=None):
     return open(path, "a")
 
 
+class NonFiniteLoss(common.ReportedError):
+    """The loss or the gradient norm became inf or NaN: training diverged. Exit status 4."""
+    exit_status = 4
+
+
 def stop_if_nonfinite(step, loss, grad_norm):
     """Called before the optimizer step with the global loss and gradient norm, which every rank holds alike:
     on inf or NaN all ranks stop together here, so the weights, and any later checkpoint, never see it."""
@@ -87,5 +92,5 @@ def stop_if_nonfinite(step, loss, grad_norm):
     time.sleep(0.2)  # and gloo's threads free the last collectives' tensors before Python exits
     if int(os.environ.get("RANK", 0)) == 0:
         print(file=sys.__stderr__)  # end the progress bar's line
-    raise common.UsageError(f"step {step}: the loss is {loss} and the gradient norm {grad_norm}; stopped before the "
-                            f"update, no checkpoint was written: lower --lr or raise --warmup-steps")
+    raise NonFiniteLoss(f"step {step}: the loss is {loss} and the gradient norm {grad_norm}; stopped before the "
+                        f"update, no checkpoint was written: lower --lr or raise --warmup-steps")

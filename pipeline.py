@@ -33,6 +33,11 @@ SOURCES = {"sft": "pretrain", "grpo": "sft", "control": "sft"}  # the run each s
 IN_DISTRIBUTION, NEW_SHAPES = "arith_gen", ["arith_2op", "arith_4op", "arith_reworded"]  # GRPO trains on the latter
 
 
+class StageFailed(common.ReportedError):
+    """A stage's script exited with an error: the pipeline stops there. Exit status 5."""
+    exit_status = 5
+
+
 def stage_list(text):
     stages = [stage.strip() for stage in text.split(",") if stage.strip()]
     unknown = [stage for stage in stages if stage not in STAGES]
@@ -73,9 +78,10 @@ def run_stage(stage, args, extra):
                SCRIPTS[stage], *flags]
     print(f"\n== {stage}: {' '.join(command[2:])}", flush=True)
     started = time.perf_counter()
-    if subprocess.run(command, cwd=Path(__file__).parent).returncode != 0:
-        raise common.UsageError(f"the {stage} stage failed (its output is above): fix it, then rerun with "
-                                f"--stages {','.join(STAGES[STAGES.index(stage):])}")
+    status = subprocess.run(command, cwd=Path(__file__).parent).returncode
+    if status != 0:
+        raise StageFailed(f"the {stage} stage failed with exit status {status} (docs/errors.md; its output is above): "
+                          f"fix it, then rerun with --stages {','.join(STAGES[STAGES.index(stage):])}")
     return time.perf_counter() - started
 
 

@@ -217,6 +217,12 @@ def read_saved_dataset(path):
         yield [dict(zip(columns, values)) for values in zip(*columns.values())]
 
 
+class HubUnreachable(common.ReportedError):
+    """--data names a Hugging Face hub dataset, and the hub cannot be reached (no network, or offline mode). Not the
+    flags' fault. Exit status 6."""
+    exit_status = 6
+
+
 def read_rows(args):
     """Batches of rows (dicts) of --data: local files one batch at a time, or a hub dataset, streamed."""
     if not looks_local(args.data):
@@ -226,10 +232,13 @@ def read_rows(args):
         try:  # streamed, so that only the documents we take are downloaded
             rows = datasets.load_dataset(args.data, args.data_config, split="train", streaming=True)
             yield from batched(rows.take(args.max_docs) if args.max_docs else rows)
-        except Exception as error:
+        except ConnectionError as error:  # datasets' own, when the hub cannot be reached (HF_HUB_OFFLINE too)
+            raise HubUnreachable(f"--data {args.data}: the Hugging Face hub cannot be reached "
+                                 f"({common.error_reason(error)}): check the network, or prepare the data with "
+                                 f"prepare_data.py where it can be reached") from None
+        except (datasets.exceptions.DatasetNotFoundError, ValueError) as error:  # no such dataset or configuration
             raise common.UsageError(f"--data {args.data} could not be loaded from the Hugging Face hub "
-                                    f"({common.error_reason(error)}): check the name, --data-config and the "
-                                    f"network") from None
+                                    f"({common.error_reason(error)}): check the name and --data-config") from None
         return
     path, files = Path(args.data).expanduser(), data_files(args.data)  # checked: a bad path is one error line
     if path.is_dir() and is_saved_dataset(path):
@@ -244,7 +253,7 @@ def read_rows(args):
                 yield rows
         except common.UsageError:
             raise
-        except Exception as error:  # UnicodeDecodeError, a broken JSON line, a file that is not parquet: one line
+        except (OSError, ValueError, TypeError, KeyError) as error:  # not UTF-8, a broken JSON line, not parquet...
             raise common.UsageError(f"--data {args.data} could not be read ({path.name}: "
                                     f"{common.error_reason(error)})") from None
 

@@ -101,8 +101,11 @@ def grpo_flags(bucket_len):
 def training_prompts(bucket_len):
     """The flags as fsdp2_grpo.py parses them, and the prompts (token ids) and answers of its training split: read
     here with its very flags, so they are the ones it trains on."""
-    args = common.finalize_args(common.get_parser("", str(ours_dir), "grpo").parse_args(
-        [str(flag) for flag in grpo_flags(bucket_len)]))
+    parser = common.get_parser("", str(ours_dir), "grpo", init_from="fsdp2_sft", batches_of_samples=False)
+    for flag, kind in [("--eval-generate", int), ("--group-size", int), ("--prompts-per-step", int)]:  # its own flags
+        parser.add_argument(flag, type=kind)
+    parser.add_argument("--reward", default="final-number")
+    args = common.finalize_args(parser.parse_args([str(flag) for flag in grpo_flags(bucket_len)]))
     train, _ = data.load_sft_data(args, chat_tokenizer, kind="rl")
     prompts, answers, _ = data.answer_prompts(chat_tokenizer, train, len(train.lengths), args.reward)
     return args, prompts, answers

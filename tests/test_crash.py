@@ -11,6 +11,8 @@ import pytest
 import torch
 
 import checkpoints
+import common
+import metrics
 from helpers import (
     EXTRA_FLAGS,
     SFT_DATA,
@@ -106,13 +108,16 @@ def test_resume_after_a_crash_trains_the_same_steps_as_the_uninterrupted_run(cas
                                         tiny_run(script)[0] / "checkpoints" / "step_20", tmp_path)
 
 
-@pytest.mark.parametrize("script", ["ddp_pretrain.py", "fsdp2_pretrain.py"])
-def test_a_nonfinite_loss_stops_every_rank_before_the_update_and_saves_nothing_poisoned(script, tmp_path):
-    # A learning rate of 1e30 makes the first update enormous: the next forward overflows to inf/NaN.
-    result = run_script(script, "--model", "tiny", "--lr", 1e30, "--warmup-steps", 1, "--max-steps", 6,
+@pytest.mark.parametrize("script,nproc", [("ddp_pretrain.py", 1), ("fsdp2_pretrain.py", 2)])
+def test_a_nonfinite_loss_stops_every_rank_before_the_update_and_saves_nothing_poisoned(script, nproc, tmp_path):
+    # A learning rate of 1e9 makes the first update enormous: the next forward overflows to inf/NaN.
+    result = run_script(script, "--model", "tiny", "--lr", 1e9, "--warmup-steps", 1, "--max-steps", 6,
                         "--save-every", 1, "--eval-every", 100, "--val-fraction", 0.002, "--dtype", "fp32",
-                        "--out-dir", tmp_path, nproc=2)
-    assert result.returncode != 0 and not traceback_through_our_code(result.stderr)
+                        "--out-dir", tmp_path, nproc=nproc)
+    # Its own exit status, not bad input's (2): one process exits with it, torchrun names it for its ranks.
+    status = metrics.NonFiniteLoss.exit_status
+    assert status == 4 != common.UsageError.exit_status and not traceback_through_our_code(result.stderr)
+    assert result.returncode == status if nproc == 1 else f"exitcode  : {status} " in result.stderr
     error_lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(error_lines) == 1 and "--lr" in error_lines[0], result.stderr
     stopped_at = int(re.match(r"error: step (\d+): the loss is (nan|inf)", error_lines[0]).group(1))

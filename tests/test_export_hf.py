@@ -1,5 +1,7 @@
 """export_hf.py: every checkpoint format becomes a Hugging Face folder that transformers loads offline and
 that computes, tokenizes and generates exactly as the checkpoint does; the checkpoint is never touched."""
+import runpy
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -13,7 +15,7 @@ import data
 import export_hf
 import modeling
 import prepare_data
-from helpers import check, read_metrics, run_script, tree_hashes
+from helpers import REPO, check, read_metrics, run_script, tree_hashes
 
 SCRIPTS = ["ddp_pretrain.py", "fsdp1_pretrain.py", "fsdp2_pretrain.py", "fsdp2_tp_pretrain.py", "pp_pretrain.py",
            "fsdp2_sft.py", "fsdp2_grpo.py"]
@@ -100,13 +102,25 @@ def test_pipeline_and_generate_py_on_the_export_answer_as_the_checkpoint_does(ex
     assert printed == reply["content"].removesuffix("<|end_of_turn|>") + "\n"
 
 
+def test_generate_py_prints_the_vocabularys_unused_padding_rows_as_nothing(exported, monkeypatch, capsys):
+    """A barely trained model can sample ids 50,265-50,303, rows that pad the vocabulary and no token owns: they
+    decode to nothing (tiktoken's own decode raises KeyError on them). generate.py runs here, its sampler fixed."""
+    tokenizer = common.get_chat_tokenizer()
+    hello = tokenizer.encode_ordinary(" Hello")
+    monkeypatch.setattr(modeling, "generate_replies", lambda *args, **kwargs: [[50_300, *hello, common.VOCAB_SIZE - 1]])
+    monkeypatch.setattr(sys, "argv", ["generate.py", str(exported["fsdp2_pretrain.py"][1]), "--prompt", "Say"])
+    with pytest.raises(SystemExit) as exit:
+        runpy.run_path(str(REPO / "generate.py"), run_name="__main__")
+    assert exit.value.code == 0 and capsys.readouterr().out == "Say Hello\n"
+
+
 def test_export_refuses_a_partial_checkpoint_and_a_used_out_dir(exported, tmp_path):
     checkpoint_dir, out_dir, _ = exported["ddp_pretrain.py"]
     partial = tmp_path / "step_30"
     partial.mkdir()
     (partial / "checkpoint.pt").write_bytes(b"cut short")  # a save that never wrote its meta.json
     result = run_script("export_hf.py", partial, tmp_path / "a")  # the command line: one line, no traceback
-    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr  # bad input: no checkpoint there
     assert result.stderr.startswith("error: ") and "is neither a checkpoint folder" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     with pytest.raises(common.UsageError, match="already exists and is not empty"):
@@ -122,7 +136,7 @@ def test_export_refuses_a_damaged_checkpoint_file(damage, message, exported, tmp
     (broken / "meta.json").write_bytes((checkpoint_dir / "meta.json").read_bytes())
     weights = (checkpoint_dir / "checkpoint.pt").read_bytes()
     (broken / "checkpoint.pt").write_bytes(weights[:5000] if damage == "truncated" else bytes(len(weights)))
-    with pytest.raises(common.UsageError) as error:
+    with pytest.raises(checkpoints.CheckpointError) as error:  # not bad input: its own kind and exit status
         export_hf.export(broken, tmp_path / "out")
     assert message in str(error.value) and "\n" not in str(error.value)
     assert not (tmp_path / "out").exists()

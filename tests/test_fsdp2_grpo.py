@@ -55,6 +55,9 @@ def test_grpo_logs_its_rollouts_and_learns_nothing_it_should_not(tiny_run):
         assert row["target_tokens"] == round(row["reply_tokens"] * 2 * 8)  # 2 ranks x 1 prompt x 8 replies
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(row["val_accuracy"] is not None for row in rows if "val_loss" in row)
+    # A step's positions: 2 ranks x 8 replies, in micro-batches of 512 // 72 = 7 rollouts padded to 72 tokens: 2 each.
+    config = json.loads((out / "config.json").read_text())
+    assert config["tokens_per_step"] == 2 * 2 * 7 * 72 == train[1]["padded_tokens"]
 
 
 def test_equal_rewards_give_zero_loss_and_leave_the_weights_unchanged(tiny_run, tmp_path):

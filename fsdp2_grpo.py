@@ -62,7 +62,7 @@ device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torc
 dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
 checkpoint_root = Path(args.out_dir) / "checkpoints"
 resume_dir = checkpoints.find_resume_checkpoint(args, checkpoint_root, SCRIPT)
-init_dir = checkpoints.find_init_checkpoint(args, "fsdp2_sft", chat_models_only=True) if resume_dir is None else None
+init_dir = None if resume_dir else checkpoints.find_init_checkpoint(args, "fsdp2_sft", chat_models_only=True)
 
 # ---------------------------------------------------------------------------------------------- data
 tokenizer = common.get_chat_tokenizer()  # GPT-2 BPE plus the role and reasoning markers

@@ -68,6 +68,28 @@ def test_no_collective_inside_a_rank_zero_branch(script):
                 f"{script}:{call.lineno}: {name}() inside `if rank == 0:`"
 
 
+def test_no_method_is_replaced_at_run_time():
+    """`obj.forward = ...` hides what model(...) does: a model whose forward returns the loss is a class that says so,
+    a pipeline stage a module built for its layers, precision a visible `with autocast:` block (tests may patch)."""
+    for path in SOURCES:
+        if path.relative_to(REPO).parts[0] == "tests":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            assert not any(isinstance(target, ast.Attribute) and target.attr == "forward" for target in targets), \
+                f"{path.name}:{node.lineno}: a forward replaced at run time"
+
+
+@pytest.mark.parametrize("module", ["common", "modeling", "metrics", "prepare_data", "data", "checkpoints"])
+def test_no_shared_module_branches_on_the_stage(module):
+    """What only one stage needs lives in its script, or is a parameter the script passes: no shared module reads a
+    `stage` (args.stage, a stage argument) to decide what to do."""
+    for node in ast.walk(ast.parse((REPO / f"{module}.py").read_text())):
+        name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else \
+            node.arg if isinstance(node, ast.arg) else None
+        assert name != "stage", f"{module}.py:{node.lineno}: reads a stage"
+
+
 # The shared modules and what each may import; scripts and tools import shared modules only. A module not listed
 # here cannot be imported by anyone but a test or a benchmark.
 SHARED_IMPORTS = {"common": set(), "modeling": {"common"}, "metrics": {"common"}, "prepare_data": {"common"},

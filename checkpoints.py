@@ -161,7 +161,7 @@ def check_resume(resume_dir, args, data_order):
     if saved["samples_per_step"] != data_order["samples_per_step"]:
         flags = " x ".join(f"--{name.replace('_', '-')} {value}" for name, value in data_order["batch_flags"].items())
         raise common.UsageError(f"{flags} x {data_order['world_size']} ranks gives {data_order['samples_per_step']} "
-                                f"samples per step in buckets {args.buckets}; the run of --resume {resume_dir} took "
+                                f"samples per step (per bucket); the run of --resume {resume_dir} took "
                                 f"{saved['samples_per_step']}: keep their product as it was")
     before, now = meta.get("config", {}), common.flag_values(args)  # every flag of the checkpoint's run, and this one's
     changed = [f"--{name.replace('_', '-')} {value} (was {before[name]})" for name, value in now.items()

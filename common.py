@@ -214,11 +214,14 @@ def preset_help(help, flag, training_defaults):
     return f"{help} (default by --model: {', '.join(f'{m}: {v}' for m, v in shown.items())})" if shown else help
 
 
-def add_data_arguments(add):
+PRETRAINING_DATA = ("text to pretrain on: 'builtin' (CPython's own documentation, no network), a folder written by "
+                    "prepare_data.py, a Hugging Face hub dataset name, a folder written by datasets' save_to_disk, or "
+                    "a local .txt/.jsonl/.json/.parquet file or folder (--text-field names the column)")
+
+
+def add_data_arguments(add, data_help=PRETRAINING_DATA):
     """--data and how to read it: the same flags in the training scripts and in prepare_data.py."""
-    add("--data", default="builtin", help="a folder written by prepare_data.py, 'builtin' (CPython's own "
-        "documentation, no network), a Hugging Face hub dataset name, a folder written by datasets' save_to_disk, or "
-        "a local .txt/.jsonl/.json/.parquet file or folder")
+    add("--data", default="builtin", help=data_help)
     add("--data-config", default=None,
         help="hub dataset configuration, e.g. sample-10BT for HuggingFaceFW/fineweb-edu (default: none)")
     add("--text-field", default="text", help="column that holds the text in .jsonl/.json/.parquet/hub data")
@@ -226,14 +229,16 @@ def add_data_arguments(add):
         help="documents taken from a hub dataset, streamed (0: all); local files and builtin are read whole")
 
 
-def get_parser(description, default_out_dir, training_defaults="train", init_from=None, batches_of_samples=True):
+def get_parser(description, default_out_dir, training_defaults="train", init_from=None, batches_of_samples=True,
+               data_help=PRETRAINING_DATA):
     """The parser of a training script, with the flags they share. training_defaults: the presets' defaults it takes
     (ArgumentParser); init_from: the script whose newest checkpoint it starts from by default (adds --init-from);
-    batches_of_samples: its steps take length-bucketed batches of samples (adds --grad-accum and --bucket-order)."""
+    batches_of_samples: its steps take length-bucketed batches of samples (adds --grad-accum and --bucket-order);
+    data_help: what its --data takes."""
     parser = ArgumentParser(description, training_defaults)
     add = parser.add_argument
     add("--model", default="small", choices=list(MODEL_PRESETS), help="model preset (and its training defaults)")
-    add_data_arguments(add)
+    add_data_arguments(add, data_help)
     add("--val-fraction", type=number(float, above=0, below=1), default=0.05,
         help="share of the documents held out for validation (at most 500 documents)")
     add("--cache-dir", default=os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),

@@ -178,7 +178,8 @@ while step < args.max_steps:
         # a long sample then weighs as much as it would in one big batch. The gradient sync averages over
         # ranks, so we multiply by world_size to turn that average back into the sum.
         with model.no_sync() if micro < args.grad_accum - 1 else nullcontext():  # sync only after the last micro-batch
-            with autocast:  # the summed loss; logits only at target positions, a chunk at a time (modeling.py)
+            # The summed loss; logits only at target positions, a chunk at a time (modeling.Qwen2WithChunkedLoss).
+            with autocast:
                 micro_loss_sum = model(input_ids=input_ids.to(device), targets=targets.to(device))
             (micro_loss_sum * world_size / target_tokens).backward()
         loss_sum += micro_loss_sum.detach()

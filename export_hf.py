@@ -1,4 +1,4 @@
-"""Convert a checkpoint of any of the five scripts into a Hugging Face model folder: one process, no GPU,
+"""Convert a checkpoint of any training script into a Hugging Face model folder: one process, no GPU,
 no network, no process group.
 
     python export_hf.py runs/fsdp2_sft hf/fsdp2_sft
@@ -17,6 +17,7 @@ AutoTokenizer, pipelines, vLLM and lm-eval would feed the model ids it never saw
 GPT2Tokenizer.
 """
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -81,13 +82,17 @@ def export(checkpoint, out_dir):
     model, meta = checkpoints.load_checkpoint_model(checkpoint_dir)
     model = llama_model(model)
     model.generation_config.pad_token_id = common.EOT_ID
-    if meta["script"] in ("fsdp2_sft", "fsdp2_grpo"):  # a chat model ends its reply with <|end_of_turn|>
+    if meta["script"] in common.CHAT_SCRIPTS:  # a chat model ends its reply with <|end_of_turn|>
         model.generation_config.eos_token_id = [common.SPECIAL_TOKENS[common.END_OF_TURN], common.EOT_ID]
 
     partial_dir = out_dir.with_name(f".partial_{out_dir.name}")  # renamed once complete, like the checkpoints
     shutil.rmtree(partial_dir, ignore_errors=True)
     model.save_pretrained(partial_dir)  # config.json, generation_config.json, model.safetensors (tied head stored once)
     hf_tokenizer().save_pretrained(partial_dir)
+    umask = os.umask(0)
+    os.umask(umask)  # read back: the mode any file the user writes gets (644 under the usual umask)
+    for file in partial_dir.iterdir():
+        file.chmod(0o666 & ~umask)  # model.safetensors comes out 600 (written as a private temporary file)
     why = ("Qwen2 weights as Llama with attention_bias=True and zero o_proj biases (same logits), so that "
            "AutoTokenizer keeps GPT2Tokenizer")
     export = {"checkpoint": str(checkpoint_dir), "architecture": "LlamaForCausalLM", "why": why, **meta}

@@ -39,7 +39,10 @@ SCRIPT = Path(__file__).stem  # names the run folder and is recorded in every ch
 # ---------------------------------------------------------------------------------------------- setup
 rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 local_rank = int(os.environ.get("LOCAL_RANK", 0))
-parser = common.get_parser(__doc__, f"runs/{SCRIPT}", "grpo", init_from="fsdp2_sft", batches_of_samples=False)
+parser = common.get_parser(__doc__, f"runs/{SCRIPT}", "grpo", init_from="fsdp2_sft", batches_of_samples=False,
+                           data_help="problems with answers: 'builtin' (arithmetic the built-in SFT set never shows), "
+                           "a folder of prepare_data.py --sft, a hub dataset name, local .jsonl/.json/.parquet rows "
+                           "({prompt, answer}, GSM8K's {question, answer}, or conversations)")
 parser.add_argument("--reshard-after-forward", type=common.boolean, default=True, help="true: a layer's gathered "
                     "parameters are freed after forward, gathered again in backward (ZeRO-3); false: kept (ZeRO-2)")
 parser.add_argument("--eval-generate", type=common.NON_NEGATIVE_INT, default=200,
@@ -77,7 +80,7 @@ if not train_prompts:
     where = "between <|begin_of_solution|> and <|end_of_solution|>" + ", or a number" * (args.reward == "final-number")
     raise common.UsageError(f"--reward {args.reward} finds no answer in any reference reply of --data {args.data} "
                             f"({where}): nothing can be rewarded; check --data and --reward")
-if args.prompts_per_step * world_size > len(train_prompts):  # 100000 once sampled 800,000 replies at a time
+if args.prompts_per_step * world_size > len(train_prompts):  # each rank samples prompts_per_step x group_size replies
     raise common.UsageError(f"--prompts-per-step {args.prompts_per_step}: at most {len(train_prompts) // world_size:,} "
                             f"(the {len(train_prompts):,} training prompts / {world_size} ranks)")
 
@@ -257,7 +260,7 @@ while step < args.max_steps:
     model.set_reshard_after_forward(False)  # each layer is gathered at the first token and kept: not once per token
     torch.manual_seed(int(np.random.SeedSequence([args.seed, rank, step]).generate_state(1)[0]))
     with torch.no_grad():  # synced: all ranks step until all are done, as the gathers at the first token are collective
-        max_new_tokens = bucket_len - max(map(len, prompts), default=1)  # default: no prompt for this rank this step
+        max_new_tokens = bucket_len - max(map(len, prompts)) if prompts else 1  # none: keep the others' steps short
         replies = modeling.generate_replies(model, prompts, max_new_tokens, temperature=1.0, top_k=0, synced=True)
     model.set_reshard_after_forward(args.reshard_after_forward)
     for module in [*model.model.layers, model]:

@@ -38,7 +38,9 @@ SCRIPT = Path(__file__).stem  # names the run folder and is recorded in every ch
 # ---------------------------------------------------------------------------------------------- setup
 rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 local_rank = int(os.environ.get("LOCAL_RANK", 0))
-parser = common.get_parser(__doc__, f"runs/{SCRIPT}", "sft", init_from="fsdp2_pretrain")
+parser = common.get_parser(__doc__, f"runs/{SCRIPT}", "sft", init_from="fsdp2_pretrain", data_help="conversations: "
+                           "'builtin' (reasoning about arithmetic, no network), a folder of prepare_data.py --sft, a "
+                           "hub dataset name, local .jsonl/.json/.parquet rows (OpenThoughts or messages schema)")
 parser.add_argument("--reshard-after-forward", type=common.boolean, default=True, help="true: a layer's gathered "
                     "parameters are freed after forward, gathered again in backward (ZeRO-3); false: kept (ZeRO-2)")
 parser.add_argument("--eval-generate", type=common.NON_NEGATIVE_INT, default=200,

@@ -34,7 +34,12 @@ if not args.chat and args.prompt is None:
     parser.error("--prompt is required without --chat")
 
 device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-model, meta = checkpoints.load_checkpoint_model(checkpoints.resolve_checkpoint(args.checkpoint), device)
+checkpoint_dir = checkpoints.resolve_checkpoint(args.checkpoint)
+model, meta = checkpoints.load_checkpoint_model(checkpoint_dir, device)
+source = f"{meta['script']}.py, step {meta['step']}"
+if meta.get("hf"):  # export_hf.py's folder records what it was exported from; another Hugging Face folder does not
+    source = "a Hugging Face folder" if meta["script"] == "hf" else f"exported from {source}"
+print(f"loaded {checkpoint_dir} ({source}), model '{meta['model']}'", file=sys.stderr)  # stdout: the text alone
 tokenizer = common.get_chat_tokenizer()  # GPT-2 BPE plus the SFT markers, which a pretrained model never saw
 torch.manual_seed(args.seed)
 
@@ -56,7 +61,11 @@ builtin_system = common.BUILTIN_SYSTEM_PROMPT if meta.get("data") == "builtin" e
 system = args.system if args.system is not None else builtin_system
 conversation = [("system", system)] if system else []
 while True:
-    message = args.prompt if args.prompt is not None else input("user> ")
+    try:
+        message = args.prompt if args.prompt is not None else input("user> ")
+    except (EOFError, KeyboardInterrupt):  # Ctrl-D (or Ctrl-C) at the prompt ends the chat
+        print()
+        break
     conversation.append(("user", message))
     prompt_tokens, _ = common.encode_conversation(tokenizer, conversation)
     text, new_tokens = reply(prompt_tokens + [common.SPECIAL_TOKENS[common.ROLE_MARKERS["assistant"]]])

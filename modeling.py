@@ -19,9 +19,13 @@ class Qwen2WithChunkedLoss(Qwen2ForCausalLM):
 
     The loss is computed inside forward so that FSDP's and DDP's hooks around model(...) cover the head as well."""
 
-    def forward(self, input_ids=None, targets=None, reduction="sum", logits_to_keep=0, **kwargs):
-        if targets is None:
-            return super().forward(input_ids=input_ids, logits_to_keep=logits_to_keep, **kwargs)
+    def forward(self, input_ids=None, targets=None, reduction="sum", labels=None, logits_to_keep=0, **kwargs):
+        if targets is None:  # labels=: transformers' own loss (full logits), as Trainer and TRL call it
+            return super().forward(input_ids=input_ids, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
+        extra = ["labels"] * (labels is not None) + list(kwargs)  # nothing else may be dropped silently
+        if reduction not in ("sum", "none") or extra:
+            raise ValueError(f"forward with targets takes input_ids and reduction ('sum' or 'none') only, got "
+                             f"reduction={reduction!r} and {extra}")
         hidden = self.model(input_ids=input_ids).last_hidden_state
         if reduction == "none":
             return chunked_token_losses(hidden, self.lm_head.weight, targets)

@@ -14,18 +14,24 @@ Each stage runs its script under torchrun with --out-dir DIR/<stage>, starting f
     control   fsdp2_sft.py from sft's newest checkpoint, for as long as grpo took: the SFT continued on its own data at
               its final learning rate, the compute-matched baseline GRPO must beat
     eval      evaluate.py on each stage's newest checkpoint -> DIR/eval.jsonl (each row with its stage), plot.py ->
-              DIR/<stage>.png, and DIR/report.md: the stage table with 95% intervals, and what GRPO gained
+              DIR/<stage>.png, and DIR/report.md: the command, commit, date and torch version that made it, each
+              stage's command (DIR/stages.json), the stage table with 95% intervals, and what GRPO gained
 
 Flags this command does not know go to every training script (e.g. --dtype bf16, --compile).
 """
 import argparse
+import datetime
+import importlib.metadata
 import json
+import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import common
+
+REPO = Path(__file__).resolve().parent
 
 STAGES = ["pretrain", "sft", "grpo", "control", "eval"]
 SCRIPTS = {"pretrain": "fsdp2_pretrain.py", "sft": "fsdp2_sft.py", "grpo": "fsdp2_grpo.py", "control": "fsdp2_sft.py"}
@@ -63,8 +69,24 @@ def get_parser():
     return parser
 
 
+def provenance():
+    """What reproduces this invocation: its exact command (every flag), the checkout's commit, the date, torch's
+    version."""
+    def git(*words):
+        return subprocess.run(["git", *words], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short=12", "HEAD")
+        commit += " with local changes" * bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.CalledProcessError):  # no git, or not a checkout
+        commit = "unknown (not a git checkout)"
+    return {"pipeline": shlex.join(["python", "pipeline.py", *sys.argv[1:]]), "commit": commit,
+            "date": datetime.date.today().isoformat(), "torch": importlib.metadata.version("torch")}
+
+
 def run_stage(stage, args, extra):
-    """Run one training stage under torchrun; returns its wall-clock seconds. A failed stage stops the pipeline."""
+    """Run one training stage under torchrun; returns its wall-clock seconds and its command. A failed stage stops the
+    pipeline."""
     out = Path(args.out_dir) / stage
     flags = ["--model", args.model, "--seed", str(args.seed), "--out-dir", str(out), *extra]
     flags += ["--data", {"pretrain": args.pretrain_data, "grpo": args.rl_data}.get(stage, args.sft_data)]
@@ -76,13 +98,14 @@ def run_stage(stage, args, extra):
         flags += ["--reward", "exact-text"]  # "The answer is 7." between the markers, as evaluate.py checks a reply
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
                SCRIPTS[stage], *flags]
-    print(f"\n== {stage}: {' '.join(command[2:])}", flush=True)
+    shown = shlex.join(["torchrun", *command[3:]])  # what a user would type
+    print(f"\n== {stage}: {shown}", flush=True)
     started = time.perf_counter()
-    status = subprocess.run(command, cwd=Path(__file__).parent).returncode
+    status = subprocess.run(command, cwd=REPO).returncode
     if status != 0:
         raise StageFailed(f"the {stage} stage failed with exit status {status} (docs/errors.md; its output is above): "
                           f"fix it, then rerun with --stages {','.join(STAGES[STAGES.index(stage):])}")
-    return time.perf_counter() - started
+    return time.perf_counter() - started, shown
 
 
 def read_rows(run_dir):
@@ -129,20 +152,22 @@ def cell(row):
     return f"{100 * row['value']:.1f}% [{100 * row['ci_low']:.1f}, {100 * row['ci_high']:.1f}]"
 
 
-def report(rows, stages, times, args):
-    """DIR/report.md: the stage table with intervals, and GRPO's gains against the SFT and the control."""
+def report(rows, stages, runs, now, out_dir):
+    """DIR/report.md: how it was made, each stage's command, the stage table with intervals, and GRPO's gains against
+    the SFT and the control."""
     found = {(row["stage"], row["task"], row["metric"]): row for row in rows}
     tasks = [(task, metric) for task, metric in dict.fromkeys((row["task"], row["metric"]) for row in rows)
              if metric in ("bpb", "accuracy")]
-    lines = [f"# Pipeline report: `python pipeline.py --model {args.model} --seed {args.seed} --nproc {args.nproc}`",
-             "", f"Each figure: `evaluate.py` on the stage's newest checkpoint, with its 95% interval (n per task: "
-             f"{', '.join(sorted({str(row['n']) for row in rows}))}).", "",
-             "| task: metric | " + " | ".join(stages) + " |", "| --- |" + " --- |" * len(stages)]
+    lines = ["# Pipeline report", "", f"Written by `{now['pipeline']}` at commit {now['commit']}, {now['date']}, torch "
+             f"{now['torch']}. Each stage ran as below (its every flag), under the `pipeline.py` command beside it, "
+             f"which reproduces it:", "", "| stage | seconds | command | run by |", "| --- | --- | --- | --- |"]
+    lines += [f"| {stage} | {run['seconds']:.0f} | `{run['command']}` | `{run['pipeline']}` at {run['commit']}, "
+              f"{run['date']}, torch {run['torch']} |" for stage, run in runs.items()]
+    lines += ["", f"Each figure: `evaluate.py` on the stage's newest checkpoint, with its 95% interval (n per task: "
+              f"{', '.join(sorted({str(row['n']) for row in rows}))}).", "",
+              "| task: metric | " + " | ".join(stages) + " |", "| --- |" + " --- |" * len(stages)]
     lines += [f"| `{task}`: {metric} | " + " | ".join(cell(found.get((stage, task, metric))) for stage in stages) + " |"
               for task, metric in tasks]
-    if times:
-        lines += ["", "Wall-clock seconds per stage: " + ", ".join(f"{stage} {seconds:.0f}" for stage, seconds in
-                                                                    times.items())]
     compared = [IN_DISTRIBUTION, *NEW_SHAPES]
     accuracy = {(stage, task): found.get((stage, task, "accuracy")) for stage in stages for task in compared}
     if all(accuracy.get((stage, task)) for stage in ("sft", "grpo", "control") for task in compared):
@@ -154,19 +179,20 @@ def report(rows, stages, times, args):
             apart = grpo["ci_low"] > control["ci_high"]
             lines.append(f"| `{task}` | {sft['value']:.1%} | {grpo['value']:.1%} | {control['value']:.1%} | "
                          f"{100 * (grpo['value'] - sft['value']):+.1f} points | {'yes' if apart else 'no'} |")
-    path = Path(args.out_dir) / "report.md"
+    path = out_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
 def main():
     args, extra = get_parser().parse_known_args()
-    out_dir = Path(args.out_dir)
-    times_file = out_dir / "stage_seconds.json"  # kept across invocations, so that --stages eval still reports them
-    times = json.loads(times_file.read_text()) if times_file.is_file() else {}
+    out_dir, now = Path(args.out_dir), provenance()
+    runs_file = out_dir / "stages.json"  # each stage's command and seconds, kept across invocations for the report
+    runs = json.loads(runs_file.read_text()) if runs_file.is_file() else {}
     for stage in [stage for stage in args.stages if stage in SCRIPTS]:
-        times[stage] = run_stage(stage, args, extra)
-        times_file.write_text(json.dumps(times, indent=2))
+        seconds, command = run_stage(stage, args, extra)
+        runs[stage] = {"seconds": seconds, "command": command, **now}
+        runs_file.write_text(json.dumps(runs, indent=2))
     if "eval" not in args.stages:
         return
     stages = [stage for stage in SCRIPTS if (out_dir / stage / "checkpoints").is_dir()]
@@ -181,7 +207,7 @@ def main():
     for name, runs in plots.items():
         if runs:
             plot.plot(runs, out_dir / f"{name}.png")
-    print(f"\nwrote {report(rows, stages, times, args)}, {out_dir / 'eval.jsonl'} and the plots "
+    print(f"\nwrote {report(rows, stages, runs, now, out_dir)}, {out_dir / 'eval.jsonl'} and the plots "
           f"{', '.join(f'{name}.png' for name, runs in plots.items() if runs)}")
 
 

@@ -4,7 +4,8 @@ and reward of SFT and GRPO runs, each panel drawn only when some run logged its 
     python plot.py runs/ddp_pretrain runs/fsdp1_pretrain runs/fsdp2_pretrain --out pretrain.png
     python plot.py runs/fsdp2_sft runs/fsdp2_grpo --out stages.png
 
-RUN_DIR is a script's --out-dir (its metrics.jsonl). Each run is labelled by its folder's name.
+RUN_DIR is a script's --out-dir (its metrics.jsonl), and --out may stand anywhere among them. Each run is labelled by
+its folder's name (and its parents', where two runs share a name) and drawn in one colour in every panel.
 """
 import json
 from pathlib import Path
@@ -42,38 +43,63 @@ def read_run(run_dir):
     return series
 
 
+def run_labels(run_dirs):
+    """Each run's label: its folder's name, with as many parent folders as it takes to tell it from the others
+    (seed0/sft and seed1/sft)."""
+    paths = [Path(run_dir).resolve().parts for run_dir in run_dirs]
+    for depth in range(1, max(map(len, paths)) + 1):
+        labels = ["/".join(parts[-depth:]) for parts in paths]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [str(run_dir) for run_dir in run_dirs]  # the same folder twice: its path twice
+
+
 def plot(run_dirs, out):
+    """Draw the runs' panels side by side into the image file `out`; returns the panels' names."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
 
-    runs = {Path(run_dir).name: read_run(run_dir) for run_dir in run_dirs}
+    runs = dict(zip(run_labels(run_dirs), map(read_run, run_dirs)))
     panels = [panel for panel in PANELS if any(panel[:2] in series for series in runs.values())]
     if not panels:
         raise common.UsageError(f"none of {', '.join(map(str, run_dirs))} logged a metric to plot: pass runs that "
                                 f"trained at least one step")
-    figure, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
-    for axis, (metric, x, title) in zip(axes[0], panels):
-        for (name, series), style in zip(runs.items(), ["-", "--", ":", "-."] * len(runs)):
-            if (metric, x) in series:  # dashed and dotted lines keep equal curves visible on top of each other
-                axis.plot(*series[metric, x], style, label=name, linewidth=1.4)
-        axis.set(title=title, xlabel=x, ylabel=metric)
-        axis.ticklabel_format(axis="x", style="sci", scilimits=(-3, 4))  # token counts as 1e6, not 1000000
-        axis.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
-    figure.tight_layout()
+    figure = draw(runs, panels)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out, dpi=110)
     plt.close(figure)
     return [f"{title} against {x}" for _, x, title in panels]
 
 
+def draw(runs, panels):
+    """A figure of one panel per (metric, x, title), each run in its own colour and line style in every panel, and one
+    legend for them all, below the panels."""
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    figure, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4 + 0.25 * len(runs)), squeeze=False)
+    # Dashes and dots keep equal curves visible on top of each other.
+    styles = {name: (f"C{i % 10}", ["-", "--", ":", "-."][i % 4]) for i, name in enumerate(runs)}
+    for axis, (metric, x, title) in zip(axes[0], panels):
+        for name, series in runs.items():
+            if (metric, x) in series:
+                axis.plot(*series[metric, x], styles[name][1], color=styles[name][0], label=name, linewidth=1.4)
+        axis.set(title=title, xlabel=x, ylabel=metric)
+        axis.ticklabel_format(axis="x", style="sci", scilimits=(-3, 4))  # token counts as 1e6, not 1000000
+        axis.grid(alpha=0.3)
+    handles = [Line2D([], [], color=color, linestyle=line, linewidth=1.4) for color, line in styles.values()]
+    figure.legend(handles, list(styles), loc="lower center", ncol=min(len(runs), 4), fontsize=8, frameon=False)
+    figure.tight_layout(rect=(0, 0.06 + 0.05 * ((len(runs) - 1) // 4), 1, 1))  # room for the legend below the panels
+    return figure
+
+
 def main():
     parser = common.ArgumentParser(__doc__)
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="runs to overlay (their --out-dir)")
     parser.add_argument("--out", required=True, help="the image file to write (.png, .svg or .pdf)")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()  # --out may stand anywhere among the runs
     panels = plot(args.run_dirs, args.out)
     print(f"wrote {args.out}: {'; '.join(panels)}")
 

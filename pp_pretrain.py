@@ -87,10 +87,10 @@ class ModelStage(torch.nn.Module):
 
     def __init__(self, causal_lm, layer_ids):
         super().__init__()
-        self.model = causal_lm.model  # the decoder, cut down to this stage's layers
+        self.model = causal_lm.model  # the decoder, cut down in place to this stage's parts
         self.model.layers = torch.nn.ModuleDict({str(i): self.model.layers[i] for i in layer_ids})
-        self.model.embed_tokens = self.model.embed_tokens if is_first or is_last else None  # last: the head's weight
-        self.model.norm, self.lm_head = (self.model.norm, causal_lm.lm_head) if is_last else (None, None)
+        self.model.embed_tokens = causal_lm.model.embed_tokens if is_first or is_last else None  # last: tied head
+        self.model.norm, self.lm_head = (causal_lm.model.norm, causal_lm.lm_head) if is_last else (None, None)
 
     def forward(self, hidden):  # token ids into the first stage, the final norm's output out of the last
         with autocast:
@@ -168,12 +168,11 @@ def make_schedule(lengths, epoch, grad_accum, order):
 
 
 # ---------------------------------------------------------------------------------------------- pipeline
-pipeline_schedules = {}  # bucket length -> the schedule of that shape's stage
+pipeline_schedules = {}  # bucket length -> its stage's schedule: a stage sizes its messages for one shape only
 
 
 def run_pipeline(split, samples, bucket_len, scale, train):
-    """This pipeline's micro-batches through the stages; their losses' sum times scale (0 but on the last stage). One
-    stage and schedule per bucket, on the same modules: a stage sizes its messages for one shape (gloo aborts else)."""
+    """This pipeline's micro-batches through the stages; their losses' sum times scale (0 but on the last stage)."""
     if bucket_len not in pipeline_schedules:
         stage = PipelineStage(model, stage_index, args.pp, device, group=mesh["pp"].get_group())
         schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.pp_schedule]

@@ -231,14 +231,14 @@ def read_rows(args):
         datasets.disable_progress_bars()
         try:  # streamed, so that only the documents we take are downloaded
             rows = datasets.load_dataset(args.data, args.data_config, split="train", streaming=True)
-            yield from batched(rows.take(args.max_docs) if args.max_docs else rows)
-        except ConnectionError as error:  # datasets' own, when the hub cannot be reached (HF_HUB_OFFLINE too)
+        except ConnectionError as error:  # what load_dataset raises when the hub cannot be reached (or HF_HUB_OFFLINE)
             raise HubUnreachable(f"--data {args.data}: the Hugging Face hub cannot be reached "
                                  f"({common.error_reason(error)}): check the network, or prepare the data with "
                                  f"prepare_data.py where it can be reached") from None
         except (datasets.exceptions.DatasetNotFoundError, ValueError) as error:  # no such dataset or configuration
             raise common.UsageError(f"--data {args.data} could not be loaded from the Hugging Face hub "
                                     f"({common.error_reason(error)}): check the name and --data-config") from None
+        yield from batched(rows.take(args.max_docs) if args.max_docs else rows)
         return
     path, files = Path(args.data).expanduser(), data_files(args.data)  # checked: a bad path is one error line
     if path.is_dir() and is_saved_dataset(path):
@@ -253,7 +253,7 @@ def read_rows(args):
                 yield rows
         except common.UsageError:
             raise
-        except (OSError, ValueError, TypeError, KeyError) as error:  # not UTF-8, a broken JSON line, not parquet...
+        except (OSError, ValueError) as error:  # not UTF-8, a broken JSON line, not parquet, not JSON objects
             raise common.UsageError(f"--data {args.data} could not be read ({path.name}: "
                                     f"{common.error_reason(error)})") from None
 

@@ -12,7 +12,7 @@ from helpers import REPO
 # (before, after): {section: changed lines at most}. A section missing here may not change at all.
 DIFFS = {
     ("ddp_pretrain.py", "fsdp1_pretrain.py"):  # the wrapper, its precision, its checkpoint, its no_sync and norm
-        {"preamble": 14, "model": 4, "wrap": 10, "checkpoint": 36, "evaluation": 3, "training loop": 8},
+        {"preamble": 14, "model": 4, "wrap": 10, "checkpoint": 36, "evaluation": 3, "training loop": 7},
     ("fsdp1_pretrain.py", "fsdp2_pretrain.py"):  # fully_shard, ZeRO-2 as a flag, model and optimizer saved apart
         {"preamble": 15, "setup": 2, "wrap": 14, "checkpoint": 35, "training loop": 12},
     ("fsdp2_pretrain.py", "fsdp2_tp_pretrain.py"):  # the 2D mesh: the tp plan, dp ranks reading, the norm's two meshes
@@ -20,12 +20,12 @@ DIFFS = {
          "resume": 2, "evaluation": 4, "training loop": 21},
     ("ddp_pretrain.py", "pp_pretrain.py"):  # the stage module, its schedule per bucket, the tied weight's two copies
         {"preamble": 11, "setup": 15, "data": 2, "distributed": 5, "model": 30, "wrap": 3, "checkpoint": 28,
-         "resume": 2, "pipeline": 22, "evaluation": 7, "training loop": 25},
+         "resume": 2, "pipeline": 21, "evaluation": 7, "training loop": 26},
     ("fsdp2_pretrain.py", "fsdp2_sft.py"):  # chat data, the marker rows' init, answer accuracy
-        {"preamble": 18, "setup": 5, "data": 6, "init from a checkpoint": 17, "evaluation": 13, "training loop": 8,
+        {"preamble": 18, "setup": 7, "data": 6, "init from a checkpoint": 17, "evaluation": 13, "training loop": 8,
          "end": 4},
     ("fsdp2_sft.py", "fsdp2_grpo.py"):  # prompts and rewards, rollouts, the advantage and the policy-gradient loss
-        {"preamble": 13, "setup": 19, "data": 16, "model": 2, "init from a checkpoint": 9, "resume": 5,
+        {"preamble": 13, "setup": 24, "data": 16, "model": 2, "init from a checkpoint": 9, "resume": 5,
          "evaluation": 8, "rollouts": 11, "training loop": 77},
 }
 SECTION = re.compile(r"^# -{20,} (.+)$")

@@ -3,6 +3,7 @@ accuracy), its bad input, and plot.py on the shared runs."""
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -165,3 +166,22 @@ def test_plot_draws_each_run_and_each_logged_metric(tiny_run, tmp_path):
     assert series["loss", "tokens"][0] == list(np.cumsum([r["tokens"] for r in rows if "loss" in r]))
     with pytest.raises(common.UsageError):
         plot.plot([tmp_path], tmp_path / "none.png")
+
+
+def test_plot_draws_each_run_in_one_colour_in_every_panel_under_one_legend(tiny_run, tmp_path, monkeypatch):
+    """Four runs whose folders are all named "run" (so labelled by their parents too), the output flag among them."""
+    runs = [tiny_run(script)[0] for script in ("ddp_pretrain.py", "fsdp2_pretrain.py", "fsdp2_sft.py",
+                                               "fsdp2_grpo.py")]
+    labels = plot.run_labels(runs)
+    assert len(set(labels)) == 4 and all(label.endswith("/run") for label in labels)
+    figure = plot.draw(dict(zip(labels, map(plot.read_run, runs))), plot.PANELS)
+    colours = {}  # label -> the colours it is drawn in, over every panel
+    for axis in figure.axes:
+        assert axis.get_legend() is None
+        for line in axis.get_lines():
+            colours.setdefault(line.get_label(), set()).add(line.get_color())
+    assert sorted(colours) == sorted(labels) and all(len(drawn) == 1 for drawn in colours.values())
+    assert len({next(iter(drawn)) for drawn in colours.values()}) == 4 and len(figure.legends) == 1
+    monkeypatch.setattr(sys, "argv", ["plot.py", str(runs[0]), "--out", str(tmp_path / "two.png"), str(runs[1])])
+    plot.main()
+    assert (tmp_path / "two.png").stat().st_size > 0

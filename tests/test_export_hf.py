@@ -1,5 +1,7 @@
 """export_hf.py: every checkpoint format becomes a Hugging Face folder that transformers loads offline and
 that computes, tokenizes and generates exactly as the checkpoint does; the checkpoint is never touched."""
+import io
+import os
 import runpy
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -52,6 +54,9 @@ def test_exported_model_computes_the_same_logits(exported, script):
     assert tree_hashes(checkpoint_dir) == before  # the export only read the checkpoint
     assert ({"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"}
             <= {p.name for p in out_dir.iterdir()})
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {p.stat().st_mode & 0o777 for p in out_dir.iterdir()} == {0o666 & ~umask}  # readable as any file written
     trained, _ = checkpoints.load_checkpoint_model(checkpoint_dir)
     hf_model = AutoModelForCausalLM.from_pretrained(out_dir, local_files_only=True).eval()
     # Qwen2's layers with o_proj biases of zero (export_hf.py says why)
@@ -111,7 +116,21 @@ def test_generate_py_prints_the_vocabularys_unused_padding_rows_as_nothing(expor
     monkeypatch.setattr(sys, "argv", ["generate.py", str(exported["fsdp2_pretrain.py"][1]), "--prompt", "Say"])
     with pytest.raises(SystemExit) as exit:
         runpy.run_path(str(REPO / "generate.py"), run_name="__main__")
-    assert exit.value.code == 0 and capsys.readouterr().out == "Say Hello\n"
+    printed = capsys.readouterr()
+    assert exit.value.code == 0 and printed.out == "Say Hello\n"
+    assert printed.err == f"loaded {exported['fsdp2_pretrain.py'][1]} (exported from fsdp2_pretrain.py, step 20), " \
+                          f"model 'tiny'\n"  # what it loaded, on stderr: stdout holds the text alone
+
+
+def test_a_generate_py_chat_ends_cleanly_at_the_end_of_input(exported, monkeypatch, capsys):
+    """One message, then the end of input (Ctrl-D at a terminal): the chat ends, no traceback, exit status 0."""
+    checkpoint_dir = exported["fsdp2_sft.py"][0]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Compute 1 + 2.\n"))
+    monkeypatch.setattr(sys, "argv", ["generate.py", str(checkpoint_dir), "--chat", "--max-new-tokens", "4"])
+    runpy.run_path(str(REPO / "generate.py"), run_name="__main__")  # returns: it neither raises nor exits non-zero
+    printed = capsys.readouterr()
+    assert printed.out.startswith("user> assistant> ") and printed.out.endswith("\nuser> \n")
+    assert printed.err == f"loaded {checkpoint_dir} (fsdp2_sft.py, step 20), model 'tiny'\n"
 
 
 def test_export_refuses_a_partial_checkpoint_and_a_used_out_dir(exported, tmp_path):

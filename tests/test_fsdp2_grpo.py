@@ -74,6 +74,17 @@ def test_equal_rewards_give_zero_loss_and_leave_the_weights_unchanged(tiny_run, 
     assert before.keys() == after.keys() and all(torch.equal(before[name], after[name]) for name in before)
 
 
+QUESTION = "What is 3 + 4?"
+
+
+def one_question_data(tmp_path):
+    """Six rows of one question: one held out, five training prompts, so at 1 prompt per rank on 2 ranks an epoch is
+    two steps of two prompts and one of one."""
+    path = tmp_path / "qa.jsonl"
+    path.write_text((json.dumps({"prompt": QUESTION, "answer": "7"}) + "\n") * 6)
+    return path
+
+
 def test_the_loss_is_the_policy_gradient_computed_in_plain_pytorch_and_a_rank_without_prompts_adds_nothing(tiny_run,
                                                                                                             tmp_path):
     """Six rows of one question (one held out): five training prompts on 2 ranks at 1 prompt per rank, so two steps
@@ -81,13 +92,12 @@ def test_the_loss_is_the_policy_gradient_computed_in_plain_pytorch_and_a_rank_wi
     j: reply 7 alone is right. With --lr 0 the weights stay the SFT's, so every step's loss and gradient norm are
     those of the objective written here from transformers' full logits: -sum(advantage x log p(token)) / tokens."""
     sft_dir, _ = tiny_run("fsdp2_sft.py")
-    question, data = "What is 3 + 4?", tmp_path / "qa.jsonl"
-    data.write_text((json.dumps({"prompt": question, "answer": "7"}) + "\n") * 6)
-    check(fixed("answer-by-sample", *TINY_RUN, "--data", data, "--init-from", sft_dir, "--group-size", 10,
+    check(fixed("answer-by-sample", *TINY_RUN, "--data", one_question_data(tmp_path), "--init-from", sft_dir,
+                "--group-size", 10,
                 "--prompts-per-step", 1, "--max-steps", 3, "--lr", 0, "--eval-every", 100, "--eval-generate", 0,
                 "--out-dir", tmp_path / "grpo"))
     tokenizer = common.get_chat_tokenizer()
-    prompt = common.encode_conversation(tokenizer, [("user", question)])[0] + [common.SPECIAL_TOKENS["<|assistant|>"]]
+    prompt = common.encode_conversation(tokenizer, [("user", QUESTION)])[0] + [common.SPECIAL_TOKENS["<|assistant|>"]]
     replies = [reply_saying(j) for j in range(10)]
     rewards = torch.tensor([float(j == 7) for j in range(10)])
     advantages = rewards - rewards.mean()
@@ -135,13 +145,21 @@ def test_one_rank_and_two_ranks_take_the_same_steps_on_the_same_rollouts(tiny_ru
     assert two[1]["loss"] != 0
 
 
-def test_ranks_whose_replies_end_at_very_different_lengths_finish_their_steps(tiny_run, tmp_path):
+def test_ranks_whose_replies_end_at_very_different_lengths_or_that_have_no_prompt_finish_their_steps(tiny_run,
+                                                                                                     tmp_path):
+    """Real sampling, rank 0's replies cut after 1 token while rank 1's run on; on the one-question data, whose epoch
+    ends in a step with a prompt for rank 0 alone: rank 1 then joins every synced forward of the rollout, and the
+    gradient sync, with nothing of its own."""
     sft_dir, _ = tiny_run("fsdp2_sft.py")
-    result = fixed("uneven", *TINY_RUN, *SFT_DATA, "--init-from", sft_dir, "--max-steps", 3, "--eval-every", 100,
-                   "--eval-generate", 0, "--out-dir", tmp_path / "grpo")
+    result = fixed("uneven", *TINY_RUN, "--data", one_question_data(tmp_path), "--init-from", sft_dir,
+                   "--prompts-per-step", 1, "--max-steps", 3, "--eval-every", 100, "--eval-generate", 0,
+                   "--out-dir", tmp_path / "grpo")
     check(result)
     train, _ = read_metrics(tmp_path / "grpo")
     assert sorted(train) == [1, 2, 3]
-    longest = 72 - builtin_prompt_tokens()
-    # rank 0's replies: 1 token; rank 1's ran on
-    assert all(1 < row["reply_tokens"] <= (1 + longest) / 2 for row in train.values())
+    prompt = common.encode_conversation(common.get_chat_tokenizer(), [("user", QUESTION)])[0]
+    longest = 72 - len(prompt) - 1  # the bucket less the prompt and its <|assistant|>
+    short = [row for row in train.values() if row["target_tokens"] == 8]  # rank 0's 8 one-token replies alone
+    assert len(short) == 1 and short[0]["reply_tokens"] == 1
+    # the full steps: rank 0's replies 1 token, rank 1's ran on
+    assert all(1 < row["reply_tokens"] <= (1 + longest) / 2 for row in train.values() if row["target_tokens"] > 8)

@@ -1,12 +1,16 @@
 """pipeline.py end to end on the tiny preset: every stage in order, each from the one before, the control for GRPO's
 time from the SFT's last weights, then every stage on one scale in eval.jsonl and report.md; and its bad input."""
+import datetime
+import importlib.metadata
 import json
+import shlex
 import shutil
+import subprocess
 
 import pytest
 
 import pipeline
-from helpers import TINY_CORPUS, check, read_metrics, run_script
+from helpers import REPO, TINY_CORPUS, check, read_metrics, run_script
 
 
 def test_the_pipeline_runs_its_stages_from_the_one_before_and_reports_them(tiny_run, tmp_path):
@@ -15,10 +19,10 @@ def test_the_pipeline_runs_its_stages_from_the_one_before_and_reports_them(tiny_
     out = tmp_path / "pipeline"
     for stage, script in [("pretrain", "fsdp2_pretrain.py"), ("sft", "fsdp2_sft.py")]:
         shutil.copytree(tiny_run(script)[0], out / stage)
-    check(run_script("pipeline.py", "--model", "tiny", "--nproc", 1, "--seed", 3, "--out-dir", out, "--stages",
-                     "grpo,control,eval", "--cache-dir", TINY_CORPUS.parent / "cache", "--dtype", "fp32",
-                     "--max-steps", 4, "--eval-every", 4, "--save-every", 4, "--val-fraction", 0.002,
-                     "--eval-limit", 8))
+    flags = ["--model", "tiny", "--nproc", 1, "--seed", 3, "--out-dir", out, "--stages", "grpo,control,eval",
+             "--cache-dir", TINY_CORPUS.parent / "cache", "--dtype", "fp32", "--max-steps", 4, "--eval-every", 4,
+             "--save-every", 4, "--val-fraction", 0.002, "--eval-limit", 8]
+    check(run_script("pipeline.py", *flags))
     configs = {stage: json.loads((out / stage / "config.json").read_text())["flags"] for stage in pipeline.SCRIPTS}
     assert all(configs[stage]["seed"] == 3 and configs[stage]["model"] == "tiny" for stage in ("grpo", "control"))
     assert configs["grpo"]["init_from"] == configs["control"]["init_from"] == str(out / "sft")
@@ -43,6 +47,15 @@ def test_the_pipeline_runs_its_stages_from_the_one_before_and_reports_them(tiny_
     assert {row["n"] for row in rows if row["task"] != "prose_bpb"} == {8}  # --eval-limit reached evaluate.py
     report = (out / "report.md").read_text()
     assert "| task: metric | pretrain | sft | grpo | control |" in report and "GRPO - SFT" in report
+    # How it was made: this very command (every flag), the commit, the date, torch; each stage's own command.
+    commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    header = f"Written by `{shlex.join(['python', 'pipeline.py', *map(str, flags)])}` at commit {commit.stdout.strip()}"
+    assert header in report and datetime.date.today().isoformat() in report
+    assert f"torch {importlib.metadata.version('torch')}" in report
+    runs = json.loads((out / "stages.json").read_text())
+    assert sorted(runs) == ["control", "grpo"] and all(f"`{run['command']}`" in report for run in runs.values())
+    assert runs["grpo"]["command"].startswith("torchrun --standalone --nproc_per_node=1 fsdp2_grpo.py --model tiny")
+    assert "--dtype fp32" in runs["grpo"]["command"] and "--init-from" in runs["control"]["command"]
     grpo = next(row for row in rows if (row["stage"], row["task"], row["metric"]) == ("grpo", "arith_gen", "accuracy"))
     assert pipeline.cell(grpo) in report
     assert all((out / f"{name}.png").stat().st_size > 0 for name in ("pretrain", "sft", "grpo"))

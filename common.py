@@ -88,9 +88,9 @@ MODEL_PRESETS = {
         train=dict(buckets=[32, 48, 64, 96, 128], tokens_per_batch=512, lr=3e-3, warmup_steps=5, max_steps=20,
                    eval_every=10, save_every=10),
         sft=dict(buckets=[64, 96, 128], tokens_per_batch=512, lr=1e-3, warmup_steps=5, max_steps=20, eval_every=10,
-                 save_every=10),
+                 save_every=10, eval_generate=16),
         grpo=dict(buckets=[72], tokens_per_batch=512, lr=1e-4, warmup_steps=2, max_steps=20, eval_every=10,
-                  save_every=10, prompts_per_step=1),
+                  save_every=10, prompts_per_step=1, eval_generate=16),
     ),
     # The default: learns visibly in a few minutes on a 2-core laptop CPU.
     "small": dict(
@@ -98,12 +98,14 @@ MODEL_PRESETS = {
                    num_key_value_heads=2), rope_theta=10_000.0,
         train=dict(buckets=[32, 48, 64, 96, 128, 192, 256], tokens_per_batch=1024, lr=3e-3, warmup_steps=10,
                    max_steps=60, eval_every=20, save_every=20),
-        sft=dict(buckets=[68, 96], tokens_per_batch=512, lr=3e-3, warmup_steps=30, max_steps=1000, eval_every=1000,
-                 save_every=500),
+        # The SFT's curves get 9 points (steps 0, 125, ..., 1000), each answering 50 held-out problems: evaluate.py
+        # scores the finished model on 200.
+        sft=dict(buckets=[68, 96], tokens_per_batch=512, lr=3e-3, warmup_steps=30, max_steps=1000, eval_every=125,
+                 save_every=500, eval_generate=50),
         # RL on the built-in RL set (shapes the SFT never saw), from the finished SFT; a bucket holds a four-operation
         # chain (85 tokens) and a step's 32 replies are one micro-batch.
         grpo=dict(buckets=[96], tokens_per_batch=6144, lr=1e-4, min_lr_ratio=1.0, warmup_steps=5, max_steps=50,
-                  eval_every=25, save_every=25, prompts_per_step=8),
+                  eval_every=25, save_every=25, prompts_per_step=8, eval_generate=200),
     ),
     # The recipe: Qwen2-0.5B shapes with the GPT-2 vocabulary (402,970,496 parameters, tied embeddings).
     "qwen2-0.5b": dict(
@@ -112,9 +114,9 @@ MODEL_PRESETS = {
         train=dict(buckets=[256, 512, 1024, 1536, 2048], tokens_per_batch=16384, lr=3e-4, warmup_steps=200,
                    max_steps=5000, eval_every=250, save_every=500),
         sft=dict(buckets=[512, 1024, 2048, 4096, 8192], tokens_per_batch=16384, lr=5e-5, warmup_steps=50,
-                 max_steps=2000, eval_every=250, save_every=500),
+                 max_steps=2000, eval_every=250, save_every=500, eval_generate=200),
         grpo=dict(buckets=[4096], tokens_per_batch=16384, lr=1e-6, warmup_steps=10, max_steps=500, eval_every=50,
-                  save_every=100, prompts_per_step=8),
+                  save_every=100, prompts_per_step=8, eval_generate=200),
     ),
 }
 CHAT_SCRIPTS = ("fsdp2_sft", "fsdp2_grpo")  # their models know the chat format and its markers

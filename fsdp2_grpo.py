@@ -45,7 +45,7 @@ parser = common.get_parser(__doc__, f"runs/{SCRIPT}", "grpo", init_from="fsdp2_s
                            "({prompt, answer}, GSM8K's {question, answer}, or conversations)")
 parser.add_argument("--reshard-after-forward", type=common.boolean, default=True, help="true: a layer's gathered "
                     "parameters are freed after forward, gathered again in backward (ZeRO-3); false: kept (ZeRO-2)")
-parser.add_argument("--eval-generate", type=common.NON_NEGATIVE_INT, default=200,
+parser.add_argument("--eval-generate", type=common.NON_NEGATIVE_INT, default=None,
                     help="held-out problems answered by greedy generation at each evaluation (answer accuracy)")
 parser.add_argument("--group-size", type=common.number(int, at_least=2), default=8, help="replies sampled per prompt "
                     "and rewarded against each other (a lone reply has no group: its advantage is always 0)")

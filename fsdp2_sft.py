@@ -43,7 +43,7 @@ parser = common.get_parser(__doc__, f"runs/{SCRIPT}", "sft", init_from="fsdp2_pr
                            "hub dataset name, local .jsonl/.json/.parquet rows (OpenThoughts or messages schema)")
 parser.add_argument("--reshard-after-forward", type=common.boolean, default=True, help="true: a layer's gathered "
                     "parameters are freed after forward, gathered again in backward (ZeRO-3); false: kept (ZeRO-2)")
-parser.add_argument("--eval-generate", type=common.NON_NEGATIVE_INT, default=200,
+parser.add_argument("--eval-generate", type=common.NON_NEGATIVE_INT, default=None,
                     help="held-out problems answered by greedy generation at each evaluation (answer accuracy)")
 args = common.finalize_args(parser.parse_args(), world_size)
 device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")

@@ -12,7 +12,8 @@ PATH is a checkpoint folder, a run folder (its newest checkpoint) or an export_h
                     after the question, with no working (a pretrained model: a few-shot plain-text prompt; a chat
                     model: its reply format with the thought left empty): accuracy, and gold_bpb (bits per byte of
                     the right answer)
-    arith_gen       greedy replies to the held-out problems: accuracy (fsdp2_sft.py's val_accuracy) and with_markers;
+    arith_gen       greedy replies to the held-out problems: accuracy (fsdp2_sft.py's val_accuracy, at --limit equal to
+                    its --eval-generate) and with_markers;
                     with --samples N also pass@k (k = 1, 2, 4, ..., N) and maj@N of N replies at temperature 1
     arith_2op       as arith_gen, on chains of two operations (the built-in set holds chains of three only)
     arith_4op       as arith_gen, on chains of four operations

@@ -14,8 +14,9 @@ Each stage runs its script under torchrun with --out-dir DIR/<stage>, starting f
     control   fsdp2_sft.py from sft's newest checkpoint, for as long as grpo took: the SFT continued on its own data at
               its final learning rate, the compute-matched baseline GRPO must beat
     eval      evaluate.py on each stage's newest checkpoint -> DIR/eval.jsonl (each row with its stage), plot.py ->
-              DIR/<stage>.png, and DIR/report.md: the command, commit, date and torch version that made it, each
-              stage's command (DIR/stages.json), the stage table with 95% intervals, and what GRPO gained
+              DIR/pretrain.png, sft.png and grpo.png (beside the control), and DIR/report.md: the command, commit,
+              date and torch version that made it, each stage's command (DIR/stages.json), the stage table with 95%
+              intervals, and what GRPO gained
 
 Flags this command does not know go to every training script (e.g. --dtype bf16, --compile).
 """
@@ -187,12 +188,12 @@ def report(rows, stages, runs, now, out_dir):
 def main():
     args, extra = get_parser().parse_known_args()
     out_dir, now = Path(args.out_dir), provenance()
-    runs_file = out_dir / "stages.json"  # each stage's command and seconds, kept across invocations for the report
-    runs = json.loads(runs_file.read_text()) if runs_file.is_file() else {}
+    stage_runs_file = out_dir / "stages.json"  # each stage's command and seconds, kept across invocations
+    stage_runs = json.loads(stage_runs_file.read_text()) if stage_runs_file.is_file() else {}
     for stage in [stage for stage in args.stages if stage in SCRIPTS]:
         seconds, command = run_stage(stage, args, extra)
-        runs[stage] = {"seconds": seconds, "command": command, **now}
-        runs_file.write_text(json.dumps(runs, indent=2))
+        stage_runs[stage] = {"seconds": seconds, "command": command, **now}
+        stage_runs_file.write_text(json.dumps(stage_runs, indent=2))
     if "eval" not in args.stages:
         return
     stages = [stage for stage in SCRIPTS if (out_dir / stage / "checkpoints").is_dir()]
@@ -207,7 +208,7 @@ def main():
     for name, runs in plots.items():
         if runs:
             plot.plot(runs, out_dir / f"{name}.png")
-    print(f"\nwrote {report(rows, stages, runs, now, out_dir)}, {out_dir / 'eval.jsonl'} and the plots "
+    print(f"\nwrote {report(rows, stages, stage_runs, now, out_dir)}, {out_dir / 'eval.jsonl'} and the plots "
           f"{', '.join(f'{name}.png' for name, runs in plots.items() if runs)}")
 
 

@@ -171,28 +171,41 @@ def check_resume(resume_dir, args, data_order):
               f"{meta['step'] + 1}", flush=True)
 
 
-def find_init_checkpoint(args, source, chat_models_only=False):
-    """--init-from: a checkpoint folder, a run folder (its newest checkpoint) or an export_hf.py folder (default: the
-    newest under runs/<source>) of a model the script can start from: a checkpoint in fsdp2_pretrain.py's format, a
-    chat model's (CHAT_SCRIPTS), or an export; with chat_models_only, only a model that learned the chat format."""
+def find_init_checkpoint(args, source=None, chat_models_only=False):
+    """--init-from: a checkpoint folder, a run folder (its newest checkpoint) or an export_hf.py folder. With a source
+    (the SFT, GRPO: they read DCP's model folder, shard by shard), by default the newest under runs/<source>, and a
+    checkpoint in fsdp2_pretrain.py's format, a chat model's, or an export; with chat_models_only, only a model that
+    learned the chat format. With none (pretraining: the whole model is read, load_checkpoint_model), any script's."""
     path = Path(args.init_from or f"runs/{source}")
     checkpoint_dir = newest_checkpoint(path)
+    if checkpoint_dir is None and source:
+        raise common.UsageError(f"--init-from {path} holds no complete {source}.py checkpoint: run `torchrun "
+                                f"--standalone --nproc_per_node=2 {source}.py --model {args.model}` first, or pass "
+                                f"another --init-from")
     if checkpoint_dir is None:
-        raise common.UsageError(f"no complete {source}.py checkpoint at {path}: run `torchrun --standalone "
-                                f"--nproc_per_node=2 {source}.py` first, or pass --init-from")
+        raise common.UsageError(f"--init-from {path} holds no complete checkpoint: pass a checkpoint folder, a run "
+                                f"folder or an export_hf.py folder")
     meta = read_meta(checkpoint_dir, "--init-from")
-    chat_model = meta["script"] in common.CHAT_SCRIPTS  # an export names the script it was exported from
-    if chat_models_only and not chat_model:
+    if chat_models_only and not knows_chat_format(meta):
         raise common.UsageError(f"--init-from {checkpoint_dir} was written by {meta['script']}.py (its model never "
                                 f"learned the chat format and its markers): start from a {source}.py checkpoint")
-    if not (chat_model or meta.get("hf") or same_format(meta["script"], "fsdp2_pretrain")):
+    if source and not (meta["script"] in common.CHAT_SCRIPTS or meta.get("hf") or
+                       same_format(meta["script"], "fsdp2_pretrain")):
         readable = ", ".join(f"{script}.py" for script in [*sorted(SAME_FORMAT[0]), *common.CHAT_SCRIPTS])
         raise common.UsageError(f"--init-from {checkpoint_dir} was written by {meta['script']}.py: start from a "
                                 f"checkpoint of {readable}, or an export_hf.py folder")
     if meta["model"] != args.model:
         raise common.UsageError(f"--init-from {checkpoint_dir} holds a '{meta['model']}' model: pass --model "
-                                f"{meta['model']}")
+                                f"{meta['model']}, or another --init-from")
     return checkpoint_dir
+
+
+def knows_chat_format(meta):
+    """Whether a checkpoint's model learned the chat format and its markers: a chat script's, or a pretraining run's
+    whose --data held builtin-chat (midtraining)."""
+    sources = meta.get("data") if isinstance(meta.get("data"), list) else [meta.get("data")]
+    return meta["script"] in common.CHAT_SCRIPTS or any(str(item).split(":")[0] == common.CHAT_AS_TEXT
+                                                          for item in sources)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """What every script shares and a reader need not see twice: errors, constants, presets and the command line, the
-tokenizer and chat format, answers and rewards, the LR schedule and the process group. Beside it, one subject each:
+tokenizer and chat format, the LR schedule and the process group. Beside it, one subject each:
 modeling.py (model, loss, generation), metrics.py, data.py, checkpoints.py and prepare_data.py. Everything
 strategy-specific (wrapping, checkpoint save and load, clipping, no-sync) is written out in the scripts, so that
 `diff` between them is the lesson.
@@ -10,7 +10,6 @@ import json
 import math
 import operator
 import os
-import re
 import sys
 import warnings
 from pathlib import Path
@@ -120,6 +119,7 @@ MODEL_PRESETS = {
     ),
 }
 CHAT_SCRIPTS = ("fsdp2_sft", "fsdp2_grpo")  # their models know the chat format and its markers
+CHAT_AS_TEXT = "builtin-chat"  # pretraining's source of the built-in conversations, in the chat format, all targets
 
 
 def preset_defaults(model, training_defaults):
@@ -184,7 +184,8 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def __init__(self, description, training_defaults=None):
         self.training_defaults = training_defaults  # set first: argparse's __init__ adds --help through add_argument
-        super().__init__(description=description, formatter_class=HelpFormatter)
+        # allow_abbrev=False: a typo such as --max-step is an error, not silently --max-steps
+        super().__init__(description=description, formatter_class=HelpFormatter, allow_abbrev=False)
 
     def add_argument(self, *flags, **kwargs):
         if self.training_defaults and kwargs.get("default", 0) is None and "help" in kwargs:  # the preset may fill it
@@ -216,33 +217,36 @@ def preset_help(help, flag, training_defaults):
     return f"{help} (default by --model: {', '.join(f'{m}: {v}' for m, v in shown.items())})" if shown else help
 
 
-PRETRAINING_DATA = ("text to pretrain on: 'builtin' (CPython's own documentation, no network), a folder written by "
-                    "prepare_data.py, a Hugging Face hub dataset name, a folder written by datasets' save_to_disk, or "
-                    "a local .txt/.jsonl/.json/.parquet file or folder (--text-field names the column)")
+PRETRAINING_DATA = ("text to pretrain on, a source or a mixture SOURCE:WEIGHT ... (weights: shares of the training "
+                    "tokens): 'builtin' (CPython's documentation, no network), 'builtin-chat' (the built-in "
+                    "conversations in the chat format, all tokens targets), a folder of prepare_data.py, a hub "
+                    "dataset name, a save_to_disk folder, local .txt/.jsonl/.json/.parquet files (--text-field)")
 
 
-def add_data_arguments(add, data_help=PRETRAINING_DATA):
-    """--data and how to read it: the same flags in the training scripts and in prepare_data.py."""
-    add("--data", default="builtin", help=data_help)
-    add("--data-config", default=None,
-        help="hub dataset configuration, e.g. sample-10BT for HuggingFaceFW/fineweb-edu (default: none)")
-    add("--text-field", default="text", help="column that holds the text in .jsonl/.json/.parquet/hub data")
+def add_data_arguments(add, data_help=PRETRAINING_DATA, mixture=False):
+    """--data and how to read it: the same flags in the training scripts and in prepare_data.py; with mixture, --data
+    takes one or more sources (SOURCE or SOURCE:WEIGHT)."""
+    add("--data", default=["builtin"] if mixture else "builtin", nargs="+" if mixture else None, help=data_help)
+    add("--data-config", default=None, help="hub dataset configuration, e.g. sample-10BT for "
+        "HuggingFaceFW/fineweb-edu, main for openai/gsm8k (default: none)")
+    add("--text-field", default="text", help="text: the column that holds it in .jsonl/.json/.parquet/hub data "
+        "(conversations and problems are read by their schema)")
     add("--max-docs", type=NON_NEGATIVE_INT, default=100_000,
-        help="documents taken from a hub dataset, streamed (0: all); local files and builtin are read whole")
+        help="rows taken from a hub dataset, streamed (0: all); local files and builtin are read whole")
 
 
 def get_parser(description, default_out_dir, training_defaults="train", init_from=None, batches_of_samples=True,
                data_help=PRETRAINING_DATA):
     """The parser of a training script, with the flags they share. training_defaults: the presets' defaults it takes
-    (ArgumentParser); init_from: the script whose newest checkpoint it starts from by default (adds --init-from);
-    batches_of_samples: its steps take length-bucketed batches of samples (adds --grad-accum and --bucket-order);
-    data_help: what its --data takes."""
+    (ArgumentParser); init_from: the script whose newest checkpoint it starts from by default (else --init-from is
+    optional); batches_of_samples: its steps take length-bucketed batches of samples (adds --grad-accum and
+    --bucket-order); data_help: what its --data takes (pretraining's: a mixture of sources)."""
     parser = ArgumentParser(description, training_defaults)
     add = parser.add_argument
     add("--model", default="small", choices=list(MODEL_PRESETS), help="model preset (and its training defaults)")
-    add_data_arguments(add, data_help)
+    add_data_arguments(add, data_help, mixture=data_help is PRETRAINING_DATA)
     add("--val-fraction", type=number(float, above=0, below=1), default=0.05,
-        help="share of the documents held out for validation (at most 500 documents)")
+        help="share of each source's documents (conversations, problems) held out for validation, at most 500")
     add("--cache-dir", default=os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
                                             "llm-reference"),
         help="where --data that is not a prepared folder is prepared (tokenized) once, as prepare_data.py would")
@@ -253,7 +257,14 @@ def get_parser(description, default_out_dir, training_defaults="train", init_fro
         add("--grad-accum", type=COUNT, default=1, help="micro-batches per optimizer step on each rank")
     add("--lr", type=NON_NEGATIVE, default=None, help="peak learning rate")
     add("--min-lr-ratio", type=number(float, at_least=0, at_most=1), default=None,
-        help="the cosine decays to lr * this")
+        help="the schedule decays to lr * this")
+    add("--lr-schedule", choices=["cosine", "wsd"], default="cosine", help="after the warmup: cosine decay over the "
+        "whole run, or warmup-stable-decay (held at --lr, then decayed over the last --decay-fraction of the steps: "
+        "what continued training uses, as the run's end need not be known when it starts)")
+    add("--decay-fraction", type=number(float, above=0, at_most=1), default=0.2,
+        help="wsd: the share of the steps that decays")
+    add("--decay-shape", choices=["linear", "1-sqrt"], default="1-sqrt",
+        help="wsd: the decay's shape, lr x (1 - t) or lr x (1 - sqrt(t)) for t from 0 to 1 (Hägele et al., 2024)")
     add("--warmup-steps", type=NON_NEGATIVE_INT, default=None, help="linear warmup steps")
     length = parser.add_mutually_exclusive_group()  # the run's length: in steps or in tokens, not both
     length.add_argument("--max-steps", type=COUNT, default=None,
@@ -270,7 +281,8 @@ def get_parser(description, default_out_dir, training_defaults="train", init_fro
     add("--out-dir", default=default_out_dir, help="metrics, TensorBoard events and checkpoints go here")
     add("--resume", nargs="?", const="latest", default=None, help="continue from the newest complete checkpoint in "
         "--out-dir, or from the checkpoint folder given (default: a fresh run)")
-    add("--seed", type=NON_NEGATIVE_INT, default=1337, help="seeds the model init and the data order")
+    add("--seed", type=NON_NEGATIVE_INT, default=1337, help="seeds the model's init (when not started from a "
+        "checkpoint), the data order and any sampling")
     add("--dtype", choices=["bf16", "fp32"], default=None, help="compute dtype (default: bf16 on CUDA, fp32 on CPU)")
     add("--compile", action="store_true", help="torch.compile each decoder layer with static shapes: all layers share "
         "one graph per bucket length for training and one for evaluation")
@@ -284,6 +296,10 @@ def get_parser(description, default_out_dir, training_defaults="train", init_fro
     if init_from:
         add("--init-from", default=None, help=f"the checkpoint to start from: a checkpoint folder, a run folder (its "
             f"newest) or an export_hf.py folder (default: the newest under runs/{init_from})")
+    else:
+        add("--init-from", default=None, help="start from the weights of a checkpoint of any training script (a "
+            "checkpoint folder, a run folder: its newest, or an export_hf.py folder) with a fresh optimizer and "
+            "schedule at step 0, as midtraining does (default: none, the model's own init)")
     return parser
 
 
@@ -402,16 +418,29 @@ def encode_conversation(tokenizer, messages):
     return tokens, labels
 
 
+def decode(tokenizer, token_ids):
+    """The text of token ids; the vocabulary's unused padding rows, which sampling can pick, decode to nothing."""
+    return tokenizer.decode([token for token in token_ids if token <= tokenizer.max_token_value])
+
+
 # ----------------------------------------------------------------------------------------------
 # LR schedule: linear warmup, then cosine decay to a floor.
 
 def learning_rate(step, args):
     """The LR of optimizer step `step` (0-based), from the flags alone: no scheduler state is saved, so a resumed
-    run with another --lr, --warmup-steps, --min-lr-ratio or --max-steps follows the new schedule at once."""
+    run with another --lr, --warmup-steps, --min-lr-ratio, --max-steps or schedule follows the new one at once.
+    Linear warmup; then cosine from --lr to lr x --min-lr-ratio over the rest of the run, or (wsd) --lr held until
+    the last --decay-fraction of the steps, which decay to the same floor, linearly or as 1 - sqrt."""
     if step < args.warmup_steps:
         return args.lr * (step + 1) / args.warmup_steps
-    progress = min(1.0, (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps))
-    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    if args.lr_schedule == "wsd":
+        decay_steps = max(1, round(args.decay_fraction * args.max_steps))
+        progress = min(1.0, max(0, step - (args.max_steps - decay_steps)) / decay_steps)  # 0 while stable
+        left = 1 - progress if args.decay_shape == "linear" else 1 - math.sqrt(progress)
+    else:
+        progress = min(1.0, (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps))
+        left = 0.5 * (1 + math.cos(math.pi * progress))
+    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * left)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -436,40 +465,3 @@ def init_process_group(device):
         dist.init_process_group("nccl", device_id=device, timeout=timeout)
     else:
         dist.init_process_group("gloo", timeout=timeout)
-
-
-# ----------------------------------------------------------------------------------------------
-# Answers and rewards: the text a reply answers with (the SFT's accuracy, GRPO's reward).
-
-REWARDS = ["final-number", "exact-text"]  # GRPO's --reward: how a reply is checked against the reference
-NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")  # 72, -3, 1,000, 2.5
-
-
-def final_number(text):
-    """The last number in a text, as a float (so "1,000" and "1000.0" are equal), or None."""
-    numbers = NUMBER.findall(text or "")
-    return float(numbers[-1].replace(",", "")) if numbers else None
-
-
-def reply_answer(tokenizer, token_ids, reward):
-    """What a reply answers, as --reward compares it: the text between its solution markers (exact-text), or the
-    last number there, else the last in the whole reply (final-number). None: no answer."""
-    text = solution_text(tokenizer, token_ids)
-    if reward == "exact-text":
-        return text
-    return final_number(text if text is not None else decode(tokenizer, token_ids))
-
-
-def decode(tokenizer, token_ids):
-    """The text of token ids; the vocabulary's unused padding rows, which sampling can pick, decode to nothing."""
-    return tokenizer.decode([token for token in token_ids if token <= tokenizer.max_token_value])
-
-
-def solution_text(tokenizer, token_ids):
-    """The text between the solution markers of a reply, or None: what the built-in set's accuracy compares."""
-    token_ids = list(token_ids)
-    begin, end = SPECIAL_TOKENS["<|begin_of_solution|>"], SPECIAL_TOKENS["<|end_of_solution|>"]
-    if begin not in token_ids or end not in token_ids[token_ids.index(begin):]:
-        return None
-    start = token_ids.index(begin) + 1
-    return decode(tokenizer, token_ids[start:token_ids.index(end, start)]).strip()

@@ -1,6 +1,8 @@
-"""The data every script reads: a folder prepared by prepare_data.py (the token ids of every document one after
-another, in one uint16 file), memory-mapped. Samples, the validation split and each epoch's length-bucketed schedule
-are flat numpy arrays over it, never a Python object per sample; collate copies a batch's rows out of the map."""
+"""The data every script reads: folders prepared by prepare_data.py (the token ids of every document one after
+another, in one uint16 file), memory-mapped, one per source of --data. Samples, the validation splits and each
+epoch's length-bucketed schedule are flat numpy arrays over them, never a Python object per sample; a mixture of
+sources gives each its share of an epoch's tokens; collate copies a batch's rows out of the maps."""
+import argparse
 import hashlib
 import json
 import os
@@ -13,18 +15,52 @@ import torch
 
 import common
 import prepare_data
+import tasks
 
 # ----------------------------------------------------------------------------------------------
-# Prepared folders: --data itself, or prepared from it into --cache-dir once per machine.
+# Sources: --data SOURCE[:WEIGHT] ..., each a prepared folder, or prepared into --cache-dir once per machine.
+
+def parse_sources(items):
+    """[(source, weight or None)] of --data's SOURCE[:WEIGHT] items. A weight is a share of the training tokens; given
+    for one source, it is given for all, and they are normalized to sum to 1; given for none, each sample of every
+    source is taken once an epoch."""
+    sources = []
+    for item in items:
+        source, weight = item, None
+        if ":" in item and "/" not in item.rsplit(":", 1)[1]:  # a path may hold a ':', but not after its last '/'
+            source, text = item.rsplit(":", 1)
+            try:
+                weight = float(text)
+            except ValueError:
+                raise common.UsageError(f"--data {item}: its weight '{text}' is not a number: pass SOURCE:WEIGHT, "
+                                        f"e.g. builtin:0.7") from None
+            if not (weight > 0 and np.isfinite(weight)):
+                raise common.UsageError(f"--data {item}: a weight is a positive share of the tokens, got {text}")
+        sources.append((source, weight))
+    weights = [weight for _, weight in sources]
+    if None in weights and any(weight is not None for weight in weights):
+        raise common.UsageError(f"--data {' '.join(items)}: give every source a weight, or none (each sample once an "
+                                f"epoch)")
+    if len({source for source, _ in sources}) < len(sources):
+        raise common.UsageError(f"--data {' '.join(items)} names a source twice: give it once, with one weight")
+    return [(source, weight / sum(weights) if weight else None) for source, weight in sources]
 
 
-def prepared_folder(args, tokenizer, kind):
-    """The prepared folder of --data: the folder itself if prepare_data.py wrote it, else one in --cache-dir named by
+def source_names(sources):
+    """A short name per source, for its validation loss (val_loss/<name>): builtin, a file's or folder's stem, a hub
+    dataset's last part."""
+    names = [Path(source.rstrip("/")).stem or source for source in sources]
+    return [name if names.count(name) == 1 else f"{name}-{i}" for i, name in enumerate(names)]
+
+
+def prepared_folder(args, source, tokenizer, kind):
+    """The prepared folder of a source: the folder itself if prepare_data.py wrote it, else one in --cache-dir named by
     the source, prepared once per machine by local rank 0 while the other ranks wait for it to appear (polling, not
     a collective, which could time out during a long preparation; if rank 0 fails, torchrun stops them)."""
-    data = Path(args.data).expanduser()
+    data = Path(source).expanduser()
     if (data / "tokens.bin").is_file():  # written by prepare_data.py (complete or not: open_prepared tells)
         return data
+    args = argparse.Namespace(**{**vars(args), "data": source})  # prepare_data reads the source as its --data
     source = prepare_data.source_identity(args, kind)  # checks local paths: a bad one fails here, on every rank
     identity = json.dumps([prepare_data.tokenizer_identity(tokenizer), source], sort_keys=True)
     folder = Path(args.cache_dir) / f"{kind}-{tokenizer.name}-{hashlib.sha256(identity.encode()).hexdigest()[:24]}"
@@ -88,18 +124,27 @@ def validation_documents(n_documents, val_fraction, seed=0):
 
 
 class Split(NamedTuple):
-    """The samples of one split, as flat arrays over the memory-mapped corpus: sample i is
-    tokens[starts[i]:starts[i] + lengths[i]]; target_counts[i] of its positions carry a loss."""
-    tokens: np.ndarray
-    mask: np.ndarray | None  # SFT: 1 where a token is a target; pretraining: None, every token but a sample's first
+    """The samples of one split, as flat arrays over the memory-mapped sources: sample i is
+    tokens[sources[i]][starts[i]:starts[i] + lengths[i]]; target_counts[i] of its positions carry a loss."""
+    tokens: list  # each source's token ids
+    masks: list  # each source's loss mask (conversations: 1 on the assistant's tokens), or None: every token but a
+    #              sample's first is a target
+    sources: np.ndarray
     starts: np.ndarray
     lengths: np.ndarray
     target_counts: np.ndarray
+    shares: np.ndarray | None  # a mixture's share of an epoch's tokens per source; None: every sample once an epoch
     content_sha256: str
 
 
+def one_source_split(corpus, mask, starts, lengths, target_counts):
+    return Split([corpus.tokens], [mask], np.zeros(len(starts), dtype=np.int64), starts, lengths, target_counts, None,
+                 corpus.content_sha256)
+
+
 def sample_tokens(split, i):
-    return np.asarray(split.tokens[split.starts[i]:split.starts[i] + split.lengths[i]], dtype=np.int64)
+    start = split.starts[i]
+    return np.asarray(split.tokens[split.sources[i]][start:start + split.lengths[i]], dtype=np.int64)
 
 
 def document_samples(corpus, documents, max_len):
@@ -116,22 +161,51 @@ def document_samples(corpus, documents, max_len):
 
 
 def load_pretraining_data(args, tokenizer):
-    """Train and validation Splits of token samples, each at most the largest bucket long."""
-    corpus = open_prepared(prepared_folder(args, tokenizer, "pretrain"), tokenizer, "pretrain")
-    is_val = np.zeros(len(corpus.offsets) - 1, dtype=bool)
-    is_val[validation_documents(len(is_val), args.val_fraction)] = True
+    """The training Split of --data's sources, each a share of an epoch's tokens if weights are given, and each
+    source's validation Split, by name: samples at most the largest bucket long. builtin-chat is the built-in
+    conversations (the SFT's set, the same documents held out) in the chat format, every token a target."""
+    sources = parse_sources(args.data)
+    train, val = [], {}
+    for (source, _), name in zip(sources, source_names([source for source, _ in sources])):
+        if source == common.CHAT_AS_TEXT:
+            chat_tokenizer = common.get_chat_tokenizer()
+            corpus = open_prepared(prepared_folder(args, "builtin", chat_tokenizer, "sft"), chat_tokenizer, "sft")
+        else:
+            corpus = open_prepared(prepared_folder(args, source, tokenizer, "pretrain"), tokenizer, "pretrain")
+        is_val = np.zeros(len(corpus.offsets) - 1, dtype=bool)
+        is_val[validation_documents(len(is_val), args.val_fraction)] = True
+        train.append(pretraining_split(corpus, np.flatnonzero(~is_val), args.buckets[-1]))
+        val[name] = pretraining_split(corpus, np.flatnonzero(is_val), args.buckets[-1])
+    shares = np.array([weight for _, weight in sources]) if sources[0][1] is not None else None
+    return mixture(train, shares), val
 
-    def split(documents):
-        starts, lengths = document_samples(corpus, documents, args.buckets[-1])
-        return Split(corpus.tokens, None, starts, lengths, lengths - 1, corpus.content_sha256)
 
-    return split(np.flatnonzero(~is_val)), split(np.flatnonzero(is_val))
+def pretraining_split(corpus, documents, max_len):
+    starts, lengths = document_samples(corpus, documents, max_len)
+    return one_source_split(corpus, None, starts, lengths, lengths - 1)  # every token but a sample's first: a target
+
+
+def mixture(splits, shares):
+    """One Split of several sources' Splits; shares: each one's share of an epoch's tokens (None: every sample once).
+    Its content hash names the sources and their shares, so a resume on another mixture is refused."""
+    if len(splits) == 1 and shares is None:
+        return splits[0]
+    named = json.dumps([[split.content_sha256 for split in splits], None if shares is None else shares.tolist()])
+    return Split([split.tokens[0] for split in splits], [split.masks[0] for split in splits],
+                 np.concatenate([np.full(len(split.starts), i) for i, split in enumerate(splits)]),
+                 *(np.concatenate([getattr(split, field) for split in splits]) for field in
+                   ("starts", "lengths", "target_counts")),
+                 shares, hashlib.sha256(named.encode()).hexdigest())
 
 
 def load_sft_data(args, tokenizer, kind="sft"):
-    """Train and validation Splits of encoded conversations, each cut to the largest bucket (its first tokens still
-    teach); conversations with no target within that length are left out. kind "rl": 'builtin' is the RL set."""
-    corpus = open_prepared(prepared_folder(args, tokenizer, kind), tokenizer, kind)
+    """Train and validation Splits of encoded conversations (the validation one by name), each cut to the largest
+    bucket (its first tokens still teach); conversations with no target within that length are left out. kind "rl":
+    'builtin' is the RL set."""
+    if args.data == common.CHAT_AS_TEXT:
+        raise common.UsageError(f"--data {args.data} is pretraining's view of the built-in conversations (every token "
+                                f"a target): this script takes conversations, e.g. --data builtin")
+    corpus = open_prepared(prepared_folder(args, args.data, tokenizer, kind), tokenizer, kind)
     starts, lengths = np.asarray(corpus.offsets[:-1]), np.diff(corpus.offsets)
     cut = np.minimum(lengths, args.buckets[-1])
     # Targets per conversation: its mask's sum, less its first token's (a first token is never predicted).
@@ -142,21 +216,21 @@ def load_sft_data(args, tokenizer, kind="sft"):
     is_val[validation_documents(len(starts), args.val_fraction)] = True
 
     def split(keep):
-        return Split(corpus.tokens, corpus.mask, starts[keep], cut[keep], target_counts[keep], corpus.content_sha256)
+        return one_source_split(corpus, corpus.mask, starts[keep], cut[keep], target_counts[keep])
 
-    return split(~is_val & (target_counts > 0)), split(is_val & (target_counts > 0))
+    return split(~is_val & (target_counts > 0)), {source_names([args.data])[0]: split(is_val & (target_counts > 0))}
 
 
 def answer_prompts(tokenizer, split, limit, reward="exact-text"):
     """Up to `limit` (prompt, reference answer) pairs of a split: the prompt is a conversation up to and with
-    its last <|assistant|> marker; the answer is the reference reply's, as common.reply_answer reads it with
+    its last <|assistant|> marker; the answer is the reference reply's, as tasks.reply_answer reads it with
     `reward` (exact-text: the text between the solution markers). Conversations whose reply has none are left out.
     Also returns a reply-length bound."""
     prompts, answers, longest = [], [], 0
     for i in range(min(limit, len(split.lengths))):
         tokens = sample_tokens(split, i)
         start = len(tokens) - list(tokens[::-1]).index(common.SPECIAL_TOKENS[common.ROLE_MARKERS["assistant"]])
-        answer = common.reply_answer(tokenizer, tokens[start:], reward)
+        answer = tasks.reply_answer(tokenizer, tokens[start:], reward)
         if answer is not None:
             prompts.append(tokens[:start].tolist())
             answers.append(answer)
@@ -192,19 +266,40 @@ class Schedule:
         return int(self.bucket_lens[i]), self.samples[self.starts[i]:self.ends[i]]
 
 
-def epoch_schedule(lengths, buckets, tokens_per_batch, world_size, grad_accum, seed, epoch, order="shuffled"):
+def epoch_samples(split, seed, epoch):
+    """The samples of an epoch: each once; or, for a mixture, each source's share of the epoch's tokens (the epoch
+    as many tokens as all sources hold). A source is read in passes, each in an order of its own: its epoch e takes
+    the samples whose tokens begin in [e x quota, (e + 1) x quota) of its passes laid end to end, so a source smaller
+    than its quota repeats, a larger one is read on over the next epochs: a pure function of (seed, epoch)."""
+    if split.shares is None:
+        return np.arange(len(split.lengths))
+    chosen = []
+    for source, share in enumerate(split.shares):
+        members = np.flatnonzero(split.sources == source)
+        size, quota = int(split.lengths[members].sum()), share * int(split.lengths.sum())
+        for reading in range(int(epoch * quota // size), int((epoch + 1) * quota // size) + 1):  # the passes it meets
+            order = members[np.random.default_rng([seed, source, reading]).permutation(len(members))]
+            begins = reading * size + np.cumsum(split.lengths[order]) - split.lengths[order]
+            chosen.append(order[(begins >= epoch * quota) & (begins < (epoch + 1) * quota)])
+    return np.concatenate(chosen)
+
+
+def epoch_schedule(lengths, buckets, tokens_per_batch, world_size, grad_accum, seed, epoch, order="shuffled",
+                   samples=None):
     """The optimizer steps of one epoch: a pure function of its arguments, identical on every rank.
 
     Each bucket's samples in a random order, cut into steps of (its batch size x grad_accum x world_size) samples;
-    each sample appears exactly once. A bucket's last step may be short: its missing rows become padding, so that
-    every rank runs the same number of steps. Then the steps are shuffled (or kept short buckets first).
+    each sample appears exactly once (samples: the epoch's, when not every one once: epoch_samples). A bucket's last
+    step may be short: its missing rows become padding, so that every rank runs the same number of steps. Then the
+    steps are shuffled (or kept short buckets first).
     """
+    epoch_ids = np.arange(len(lengths)) if samples is None else np.asarray(samples)
     rng = np.random.default_rng([seed, epoch])
-    bucket_of = assign_buckets(lengths, buckets)
+    bucket_of = assign_buckets(np.asarray(lengths)[epoch_ids], buckets)
     samples, starts, ends, bucket_lens = [], [], [], []
     offset = 0
     for b, bucket_len in enumerate(buckets):
-        members = rng.permutation(np.flatnonzero(bucket_of == b))
+        members = epoch_ids[rng.permutation(np.flatnonzero(bucket_of == b))]
         per_step = bucket_batch_size(tokens_per_batch, bucket_len) * grad_accum * world_size
         step_starts = np.arange(0, len(members), per_step)
         samples.append(members)
@@ -233,8 +328,9 @@ def collate(split, sample_ids, bucket_len, batch_size, pad_id=common.EOT_ID):
         start, n = split.starts[i], split.lengths[i]
         input_ids[row, :n] = torch.from_numpy(sample_tokens(split, i))
         targets[row, :n - 1] = input_ids[row, 1:n]
-        if split.mask is not None:  # SFT: only the assistant's tokens are targets
-            not_targets = torch.from_numpy(split.mask[start + 1:start + n] == 0)
+        mask = split.masks[split.sources[i]]
+        if mask is not None:  # conversations: only the assistant's tokens are targets
+            not_targets = torch.from_numpy(mask[start + 1:start + n] == 0)
             targets[row, :n - 1].masked_fill_(not_targets, common.IGNORE_INDEX)
     return input_ids, targets
 
@@ -245,14 +341,16 @@ def collate(split, sample_ids, bucket_len, batch_size, pad_id=common.EOT_ID):
 def data_order(args, train, val, world_size, samples_per_step=None, batch_flags=("tokens_per_batch", "grad_accum")):
     """What the order of the training samples depends on (the data, its split, the buckets, the seed and the samples
     per step), for every checkpoint's meta.json: a resume may not change it (checkpoints.check_resume). Checks first
-    that every rank gets samples and that the validation split has some. samples_per_step: the samples one optimizer
-    step takes, per bucket, and batch_flags the flags that set them (default: batches of samples, tokens per batch //
-    bucket length x grad accum x ranks); a script whose steps take something else passes its own."""
+    that every rank gets samples and that every source's validation split has some. samples_per_step: the samples one
+    optimizer step takes, per bucket, and batch_flags the flags that set them (default: batches of samples, tokens per
+    batch // bucket length x grad accum x ranks); a script whose steps take something else passes its own."""
     if len(train.lengths) < world_size:
         raise common.UsageError(f"the data gives {len(train.lengths)} training samples, fewer than the {world_size} "
                                 f"ranks: use more --data or fewer ranks")
-    if not len(val.lengths):
-        raise common.UsageError("the validation split is empty: use more --data or a larger --val-fraction")
+    for name, split in val.items():
+        if not len(split.lengths):
+            raise common.UsageError(f"the validation split of {name} is empty: use more --data or a larger "
+                                    f"--val-fraction")
     if samples_per_step is None:
         samples_per_step = [bucket_batch_size(args.tokens_per_batch, length) * args.grad_accum * world_size
                             for length in args.buckets]

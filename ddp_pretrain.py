@@ -35,6 +35,7 @@ device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torc
 dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
 checkpoint_root = Path(args.out_dir) / "checkpoints"
 resume_dir = checkpoints.find_resume_checkpoint(args, checkpoint_root, SCRIPT)
+init_dir = None if resume_dir or not args.init_from else checkpoints.find_init_checkpoint(args)  # weights only
 
 # ---------------------------------------------------------------------------------------------- data
 tokenizer = common.get_tokenizer()
@@ -54,6 +55,8 @@ if device.type == "cuda":
 # ---------------------------------------------------------------------------------------------- model
 torch.manual_seed(args.seed)  # the same init on every rank, and in every script
 model = modeling.build_model(args.model, args.activation_checkpointing).to(device)
+if init_dir is not None:  # midtraining: the weights of any checkpoint or export, read whole; the rest starts fresh
+    model.load_state_dict(checkpoints.load_checkpoint_model(init_dir)[0].state_dict())
 n_params, model_config = modeling.count_parameters(model), model.config
 if rank == 0:
     common.write_config(args, SCRIPT, world_size, device, dtype, n_params)  # the start block, and <out-dir>/config.json
@@ -108,28 +111,32 @@ if resume_dir is not None:
         print(f"resumed from {resume_dir} at step {step}")
 
 
-def make_schedule(lengths, epoch, grad_accum, order):
-    return data.epoch_schedule(lengths, args.buckets, args.tokens_per_batch, world_size, grad_accum, args.seed,
-                               epoch, order)
+def make_schedule(split, epoch, grad_accum, order):  # a mixture's epoch: each source its share of the tokens
+    return data.epoch_schedule(split.lengths, args.buckets, args.tokens_per_batch, world_size, grad_accum, args.seed,
+                               epoch, order, data.epoch_samples(split, args.seed, epoch))
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
-val_schedule = make_schedule(val.lengths, 0, 1, "ascending")
+val_schedules = {name: make_schedule(split, 0, 1, "ascending") for name, split in val.items()}
 
 
 @torch.no_grad()
 def evaluate():
-    """Loss over the whole validation split: summed over all tokens of all ranks, then divided once."""
+    """Loss over each source's validation split (summed over all its tokens on all ranks, then divided once), and over
+    them all (val_loss: their token-weighted mean)."""
     model.eval()
-    loss_sum = torch.zeros((), device=device)
-    for bucket_len, samples in val_schedule:
-        batch_size = data.bucket_batch_size(args.tokens_per_batch, bucket_len)
-        input_ids, targets = data.collate(val, samples[rank::world_size], bucket_len, batch_size)
-        with autocast:
-            loss_sum += model(input_ids=input_ids.to(device), targets=targets.to(device))  # summed over the targets
-    dist.all_reduce(loss_sum)
+    loss_sums = torch.zeros(len(val), device=device)
+    for i, (name, schedule) in enumerate(val_schedules.items()):
+        for bucket_len, samples in schedule:
+            batch_size = data.bucket_batch_size(args.tokens_per_batch, bucket_len)
+            input_ids, targets = data.collate(val[name], samples[rank::world_size], bucket_len, batch_size)
+            with autocast:
+                loss_sums[i] += model(input_ids=input_ids.to(device), targets=targets.to(device))  # summed
+    dist.all_reduce(loss_sums)
     model.train()
-    return loss_sum.item() / sum(val.target_counts)
+    target_counts = [sum(split.target_counts) for split in val.values()]
+    return {"val_loss": loss_sums.sum().item() / sum(target_counts),
+            **{f"val_loss/{name}": loss / count for name, loss, count in zip(val, loss_sums.tolist(), target_counts)}}
 
 
 # ---------------------------------------------------------------------------------------------- training loop
@@ -151,16 +158,16 @@ def log(row):
 
 
 peak_flops = metrics.device_peak_flops(device)
-schedule = make_schedule(train.lengths, data_position["epoch"], args.grad_accum, args.bucket_order)
+schedule = make_schedule(train, data_position["epoch"], args.grad_accum, args.bucket_order)
 start_time, total_tokens, total_padded, run_peak_mem_gb = time.perf_counter(), 0, 0, 0.0
-val_loss = evaluate() if step == 0 else None
+validation = evaluate() if step == 0 else {}
 if step == 0:
-    log({"step": 0, "val_loss": val_loss})
+    log({"step": 0, **validation})
 model.train()
 while step < args.max_steps:
     if data_position["index"] >= len(schedule):  # epoch done: the next one reshuffles, as a function of (seed, epoch)
         data_position = {"epoch": data_position["epoch"] + 1, "index": 0}
-        schedule = make_schedule(train.lengths, data_position["epoch"], args.grad_accum, args.bucket_order)
+        schedule = make_schedule(train, data_position["epoch"], args.grad_accum, args.bucket_order)
     bucket_len, step_samples = schedule[data_position["index"]]  # the step's samples, all ranks' and micro-batches'
     data_position = {**data_position, "index": data_position["index"] + 1}
     batch_size = data.bucket_batch_size(args.tokens_per_batch, bucket_len)
@@ -211,8 +218,8 @@ while step < args.max_steps:
              "mfu": mfu, "peak_mem_gb": step_peak_mem_gb, "peak_reserved_gb": metrics.peak_reserved_memory_gb(device),
              "elapsed_s": time.perf_counter() - start_time})
     if step % args.eval_every == 0 or step == args.max_steps:
-        val_loss = evaluate()
-        log({"step": step, "val_loss": val_loss})
+        validation = evaluate()
+        log({"step": step, **validation})
     if step % args.save_every == 0 or step == args.max_steps:
         save_checkpoint(step, data_position)
     if rank == 0:
@@ -227,9 +234,9 @@ if rank == 0:
     writer.close()
     metrics_file.close()
     elapsed = time.perf_counter() - start_time
-    print(f"done: {step} steps, val loss {val_loss if val_loss is None else round(val_loss, 4)}, "
+    print(f"done: {step} steps, val loss {round(validation['val_loss'], 4)}, "
           f"non-padding share {total_tokens / max(1, total_padded):.1%}, {total_tokens / elapsed:,.0f} tokens/s, "
-          f"{elapsed:.0f}s")
+          f"{elapsed:.0f}s; metrics and checkpoints in {args.out_dir}")
 param_elements, optimizer_elements = modeling.local_state_sizes(model, optimizer)
 print(f"rank {rank} holds {param_elements:,} parameter and {optimizer_elements:,} optimizer-state elements "
       f"({n_params:,} parameters in the model), peak memory in training {run_peak_mem_gb:.2f} GB")

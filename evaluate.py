@@ -38,6 +38,7 @@ import common
 import data
 import modeling
 import prepare_data
+import tasks
 
 TASKS = ["prose_bpb", "arith_choice", "arith_gen", "arith_2op", "arith_4op", "arith_reworded"]
 CHAT_TASKS = ["arith_gen", "arith_2op", "arith_4op", "arith_reworded"]
@@ -234,7 +235,7 @@ def arith_generation(model, tokenizer, args, task):
     # The reply bound fsdp2_sft.py uses: the longest reference reply (with its end marker), plus 16 tokens.
     max_new_tokens = 16 + max(len(common.encode_conversation(tokenizer, [("assistant", reply)])[0]) - 1
                               for _, reply, _ in problems)
-    answers = [common.solution_text(tokenizer, reply) for reply in replies(model, prompts, max_new_tokens,
+    answers = [tasks.solution_text(tokenizer, reply) for reply in replies(model, prompts, max_new_tokens,
                                                                             args.batch_size)]
     n = len(problems)
     rows = [proportion("accuracy", sum(a == p[2] for a, p in zip(answers, problems)), n),
@@ -243,7 +244,7 @@ def arith_generation(model, tokenizer, args, task):
         torch.manual_seed(args.seed)
         sampled = replies(model, [p for p in prompts for _ in range(args.samples)], max_new_tokens, args.batch_size,
                           temperature=1.0)
-        sampled = [common.solution_text(tokenizer, reply) for reply in sampled]
+        sampled = [tasks.solution_text(tokenizer, reply) for reply in sampled]
         per_problem = [sampled[i * args.samples:(i + 1) * args.samples] for i in range(n)]
         right = [sum(a == p[2] for a in group) for group, p in zip(per_problem, problems)]
         for k in sorted({*(2**i for i in range(args.samples.bit_length()) if 2**i <= args.samples), args.samples}):
@@ -323,7 +324,7 @@ def main():
     for r in rows:
         interval = f"[{r['ci_low']:.4f}, {r['ci_high']:.4f}]"
         print(f"{r['task']:<16}{r['metric']:<14}{r['value']:>9.4f}  {interval:<19}{r['n']:>6}")
-    print(f"{time.perf_counter() - started:.1f} s")
+    print(f"evaluated in {time.perf_counter() - started:.1f} s")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -33,6 +33,7 @@ import common
 import data
 import metrics
 import modeling
+import tasks
 
 SCRIPT = Path(__file__).stem  # names the run folder and is recorded in every checkpoint
 
@@ -50,7 +51,7 @@ parser.add_argument("--eval-generate", type=common.NON_NEGATIVE_INT, default=Non
 parser.add_argument("--group-size", type=common.number(int, at_least=2), default=8, help="replies sampled per prompt "
                     "and rewarded against each other (a lone reply has no group: its advantage is always 0)")
 parser.add_argument("--prompts-per-step", type=common.COUNT, default=None, help="prompts per rank per optimizer step")
-parser.add_argument("--reward", choices=common.REWARDS, default="final-number", help="a reply's answer, compared with "
+parser.add_argument("--reward", choices=tasks.REWARDS, default="final-number", help="a reply's answer, compared with "
                     "the reference's: final-number, the last number between its solution markers (else in the whole "
                     "reply); exact-text, the text between its solution markers")
 
@@ -164,9 +165,9 @@ if resume_dir is not None:
         print(f"resumed from {resume_dir} at step {step}")
 
 
-def make_schedule(lengths, epoch, grad_accum, order):
-    return data.epoch_schedule(lengths, args.buckets, args.tokens_per_batch, world_size, grad_accum, args.seed,
-                               epoch, order)
+def make_schedule(split, epoch, grad_accum, order):  # a mixture's epoch: each source its share of the tokens
+    return data.epoch_schedule(split.lengths, args.buckets, args.tokens_per_batch, world_size, grad_accum, args.seed,
+                               epoch, order, data.epoch_samples(split, args.seed, epoch))
 
 
 def prompt_schedule(epoch):  # all prompts as one bucket of length 1: a step takes prompts_per_step of them per rank
@@ -175,32 +176,38 @@ def prompt_schedule(epoch):  # all prompts as one bucket of length 1: a step tak
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
-val_schedule = make_schedule(val.lengths, 0, 1, "ascending")
+val_schedules = {name: make_schedule(split, 0, 1, "ascending") for name, split in val.items()}
 # Answer accuracy: greedy replies to held-out prompts, checked against the reference as the reward checks them.
-val_prompts, val_answers, _ = data.answer_prompts(tokenizer, val, args.eval_generate, args.reward)
+val_prompts, val_answers, _ = data.answer_prompts(tokenizer, next(iter(val.values())), args.eval_generate,
+                                                  args.reward)
 # A reply may be as long as a rollout's: the bucket less the prompt (a bare reference answer says nothing of it).
 max_reply_tokens = args.buckets[-1] - max(map(len, val_prompts), default=0)
 
 
 @torch.no_grad()
 def evaluate():
-    """Loss over the whole validation split (assistant tokens of all ranks, divided once), and answer accuracy."""
+    """Loss over each source's validation split (summed over all its tokens on all ranks, then divided once), and over
+    them all (val_loss: their token-weighted mean); and answer accuracy."""
     model.eval()
-    loss_sum = torch.zeros((), device=device)
-    for bucket_len, samples in val_schedule:
-        batch_size = data.bucket_batch_size(args.tokens_per_batch, bucket_len)
-        input_ids, targets = data.collate(val, samples[rank::world_size], bucket_len, batch_size)
-        loss_sum += model(input_ids=input_ids.to(device), targets=targets.to(device))  # summed over the targets
+    loss_sums = torch.zeros(len(val), device=device)
+    for i, (name, schedule) in enumerate(val_schedules.items()):
+        for bucket_len, samples in schedule:
+            batch_size = data.bucket_batch_size(args.tokens_per_batch, bucket_len)
+            input_ids, targets = data.collate(val[name], samples[rank::world_size], bucket_len, batch_size)
+            loss_sums[i] += model(input_ids=input_ids.to(device), targets=targets.to(device))  # summed over the targets
     mine = list(range(rank, len(val_prompts), world_size))  # each rank answers its share, in one batch
     prompts = [val_prompts[i] for i in mine]
     replies = modeling.generate_replies(model, prompts, max_reply_tokens, synced=True) if val_prompts else []
-    answers = [common.reply_answer(tokenizer, reply, args.reward) for reply in replies]  # as the reward reads them
+    answers = [tasks.reply_answer(tokenizer, reply, args.reward) for reply in replies]  # as the reward reads them
     correct = sum(answer == val_answers[i] for i, answer in zip(mine, answers))
     correct = torch.tensor(float(correct), device=device)
-    dist.all_reduce(loss_sum)
+    dist.all_reduce(loss_sums)
     dist.all_reduce(correct)
     model.train()
-    return loss_sum.item() / sum(val.target_counts), correct.item() / len(val_prompts) if val_prompts else None
+    target_counts = [sum(split.target_counts) for split in val.values()]
+    return {"val_loss": loss_sums.sum().item() / sum(target_counts),
+            **{f"val_loss/{name}": loss / count for name, loss, count in zip(val, loss_sums.tolist(), target_counts)},
+            "val_accuracy": correct.item() / len(val_prompts) if val_prompts else None}
 
 
 # ---------------------------------------------------------------------------------------------- rollouts
@@ -210,8 +217,8 @@ def rollout_split(prompts, replies):
     mask = np.array([i >= len(prompt) for prompt, reply in zip(prompts, replies) for i in range(len(prompt + reply))],
                     dtype=np.uint8)
     lengths = np.array([len(prompt) + len(reply) for prompt, reply in zip(prompts, replies)], dtype=np.int64)
-    return data.Split(tokens, mask, np.cumsum(lengths) - lengths, lengths,
-                      np.array([len(reply) for reply in replies], dtype=np.int64), "")
+    return data.Split([tokens], [mask], np.zeros(len(lengths), dtype=np.int64), np.cumsum(lengths) - lengths,
+                      lengths, np.array([len(reply) for reply in replies], dtype=np.int64), None, "")
 
 
 # ---------------------------------------------------------------------------------------------- training loop
@@ -239,9 +246,9 @@ batch_size = data.bucket_batch_size(args.tokens_per_batch, bucket_len)
 # The same number on every rank: each forward is collective.
 micro_batches = -(-args.prompts_per_step * args.group_size // batch_size)
 start_time, total_tokens, total_padded, run_peak_mem_gb = time.perf_counter(), 0, 0, 0.0
-val_loss, val_accuracy = evaluate() if step == 0 else (None, None)
+validation = evaluate() if step == 0 else {}
 if step == 0:
-    log({"step": 0, "val_loss": val_loss, "val_accuracy": val_accuracy})
+    log({"step": 0, **validation})
 model.train()
 while step < args.max_steps:
     if data_position["index"] >= len(schedule):  # epoch done: the next one reshuffles, as a function of (seed, epoch)
@@ -267,7 +274,7 @@ while step < args.max_steps:
         module.reshard()  # back to shards for training: the gathered copies are freed
     model.train()
     # Reward 1 for the reference answer, as --reward reads replies, else 0 (none, or cut short: 0).
-    answers = [common.reply_answer(tokenizer, reply, args.reward) for reply in replies]  # None: no answer
+    answers = [tasks.reply_answer(tokenizer, reply, args.reward) for reply in replies]  # None: no answer
     rewards = torch.tensor([float(answer == train_answers[i]) for i, answer in zip(mine, answers)])
     # GRPO's advantage (Shao et al., 2024): a reply's reward less the mean reward of its group, the replies to one
     # prompt. Not divided by the group's std (Dr. GRPO, Liu et al., 2025): a group of equal rewards weighs exactly 0,
@@ -276,7 +283,7 @@ while step < args.max_steps:
     advantages = (groups - groups.mean(dim=1, keepdim=True)).flatten()
     rollouts = rollout_split(prompts, replies)
     flat = (groups.max(1).values == groups.min(1).values).sum()  # groups whose rewards are all equal
-    with_markers = sum(common.solution_text(tokenizer, reply) is not None for reply in replies)
+    with_markers = sum(tasks.solution_text(tokenizer, reply) is not None for reply in replies)
     stats = torch.tensor([rewards.sum(), len(rewards), flat, len(groups), with_markers,
                           rollouts.target_counts.sum(), rollouts.lengths.sum()], dtype=torch.float64, device=device)
     dist.all_reduce(stats)  # the step's totals over all ranks: rewards, groups, reply tokens (the loss's denominator)
@@ -333,15 +340,15 @@ while step < args.max_steps:
              "zero_spread_groups": flat_groups / n_groups, "reply_tokens": target_tokens / n_replies,
              "with_markers": with_markers / n_replies, "rollout_s": rollout_time, "train_s": step_time})
     if step % args.eval_every == 0 or step == args.max_steps:
-        val_loss, val_accuracy = evaluate()
-        log({"step": step, "val_loss": val_loss, "val_accuracy": val_accuracy})
+        validation = evaluate()
+        log({"step": step, **validation})
     if step % args.save_every == 0 or step == args.max_steps:
         save_checkpoint(step, data_position)
     if rank == 0:
         progress.update(1)
         progress.set_postfix({"loss": f"{loss:.3f}", "reward": f"{reward_sum / n_replies:.2f}",
                               **({"mfu": f"{mfu:.1%}"} if mfu else {}), "mem": f"{step_peak_mem_gb:.2f}GB",
-                              "accuracy": val_accuracy})
+                              "accuracy": validation.get("val_accuracy")})
 
 # ---------------------------------------------------------------------------------------------- end
 if rank == 0:
@@ -349,9 +356,9 @@ if rank == 0:
     writer.close()
     metrics_file.close()
     elapsed = time.perf_counter() - start_time
-    print(f"done: {step} steps, val loss {val_loss if val_loss is None else round(val_loss, 4)}, "
-          f"answer accuracy {val_accuracy}, non-padding share {total_tokens / max(1, total_padded):.1%}, "
-          f"{total_tokens / elapsed:,.0f} tokens/s, {elapsed:.0f}s")
+    print(f"done: {step} steps, val loss {round(validation['val_loss'], 4)}, "
+          f"answer accuracy {validation['val_accuracy']}, non-padding share {total_tokens / max(1, total_padded):.1%}, "
+          f"{total_tokens / elapsed:,.0f} tokens/s, {elapsed:.0f}s; metrics and checkpoints in {args.out_dir}")
 param_elements, optimizer_elements = modeling.local_state_sizes(model, optimizer)
 print(f"rank {rank} holds {param_elements:,} parameter and {optimizer_elements:,} optimizer-state elements "
       f"({n_params:,} parameters in the model), peak memory in training {run_peak_mem_gb:.2f} GB")

@@ -32,6 +32,7 @@ import common
 import data
 import metrics
 import modeling
+import tasks
 
 SCRIPT = Path(__file__).stem  # names the run folder and is recorded in every checkpoint
 
@@ -92,7 +93,7 @@ elif init_dir is not None:
     model_state = get_model_state_dict(model)  # this rank's shards: DCP reads only those, nothing is gathered
     dcp.load(model_state, checkpoint_id=init_dir / "model")
     set_model_state_dict(model, model_state)
-if init_dir is not None and checkpoints.read_meta(init_dir, "--init-from")["script"] not in common.CHAT_SCRIPTS:
+if init_dir is not None and not checkpoints.knows_chat_format(checkpoints.read_meta(init_dir, "--init-from")):
     # The marker rows (50,257 and up) were never trained: start them at the mean of the real token rows, so
     # their logits start at an average token's, plus tiny noise so that they differ from each other.
     with torch.no_grad():
@@ -148,36 +149,43 @@ if resume_dir is not None:
         print(f"resumed from {resume_dir} at step {step}")
 
 
-def make_schedule(lengths, epoch, grad_accum, order):
-    return data.epoch_schedule(lengths, args.buckets, args.tokens_per_batch, world_size, grad_accum, args.seed,
-                               epoch, order)
+def make_schedule(split, epoch, grad_accum, order):  # a mixture's epoch: each source its share of the tokens
+    return data.epoch_schedule(split.lengths, args.buckets, args.tokens_per_batch, world_size, grad_accum, args.seed,
+                               epoch, order, data.epoch_samples(split, args.seed, epoch))
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
-val_schedule = make_schedule(val.lengths, 0, 1, "ascending")
-# Answer accuracy: greedy replies to held-out prompts, compared with the reference between the solution markers.
-val_prompts, val_answers, max_reply_tokens = data.answer_prompts(tokenizer, val, args.eval_generate)
+val_schedules = {name: make_schedule(split, 0, 1, "ascending") for name, split in val.items()}
+# Answer accuracy: greedy replies to held-out prompts (the first validation split's: the conversations'), compared
+# with the reference between the solution markers.
+val_prompts, val_answers, max_reply_tokens = data.answer_prompts(tokenizer, next(iter(val.values())),
+                                                                 args.eval_generate)
 
 
 @torch.no_grad()
 def evaluate():
-    """Loss over the whole validation split (assistant tokens of all ranks, divided once), and answer accuracy."""
+    """Loss over each source's validation split (summed over all its tokens on all ranks, then divided once), and over
+    them all (val_loss: their token-weighted mean); and answer accuracy."""
     model.eval()
-    loss_sum = torch.zeros((), device=device)
-    for bucket_len, samples in val_schedule:
-        batch_size = data.bucket_batch_size(args.tokens_per_batch, bucket_len)
-        input_ids, targets = data.collate(val, samples[rank::world_size], bucket_len, batch_size)
-        loss_sum += model(input_ids=input_ids.to(device), targets=targets.to(device))  # summed over the targets
+    loss_sums = torch.zeros(len(val), device=device)
+    for i, (name, schedule) in enumerate(val_schedules.items()):
+        for bucket_len, samples in schedule:
+            batch_size = data.bucket_batch_size(args.tokens_per_batch, bucket_len)
+            input_ids, targets = data.collate(val[name], samples[rank::world_size], bucket_len, batch_size)
+            loss_sums[i] += model(input_ids=input_ids.to(device), targets=targets.to(device))  # summed over the targets
     mine = list(range(rank, len(val_prompts), world_size))  # each rank answers its share, in one batch
     prompts = [val_prompts[i] for i in mine]
     replies = modeling.generate_replies(model, prompts, max_reply_tokens, synced=True) if val_prompts else []
-    answers = [common.solution_text(tokenizer, reply) for reply in replies]  # the text between the solution markers
+    answers = [tasks.solution_text(tokenizer, reply) for reply in replies]  # the text between the solution markers
     correct = sum(answer == val_answers[i] for i, answer in zip(mine, answers))
     correct = torch.tensor(float(correct), device=device)
-    dist.all_reduce(loss_sum)
+    dist.all_reduce(loss_sums)
     dist.all_reduce(correct)
     model.train()
-    return loss_sum.item() / sum(val.target_counts), correct.item() / len(val_prompts) if val_prompts else None
+    target_counts = [sum(split.target_counts) for split in val.values()]
+    return {"val_loss": loss_sums.sum().item() / sum(target_counts),
+            **{f"val_loss/{name}": loss / count for name, loss, count in zip(val, loss_sums.tolist(), target_counts)},
+            "val_accuracy": correct.item() / len(val_prompts) if val_prompts else None}
 
 
 # ---------------------------------------------------------------------------------------------- training loop
@@ -199,16 +207,16 @@ def log(row):
 
 
 peak_flops = metrics.device_peak_flops(device)
-schedule = make_schedule(train.lengths, data_position["epoch"], args.grad_accum, args.bucket_order)
+schedule = make_schedule(train, data_position["epoch"], args.grad_accum, args.bucket_order)
 start_time, total_tokens, total_padded, run_peak_mem_gb = time.perf_counter(), 0, 0, 0.0
-val_loss, val_accuracy = evaluate() if step == 0 else (None, None)
+validation = evaluate() if step == 0 else {}
 if step == 0:
-    log({"step": 0, "val_loss": val_loss, "val_accuracy": val_accuracy})
+    log({"step": 0, **validation})
 model.train()
 while step < args.max_steps:
     if data_position["index"] >= len(schedule):  # epoch done: the next one reshuffles, as a function of (seed, epoch)
         data_position = {"epoch": data_position["epoch"] + 1, "index": 0}
-        schedule = make_schedule(train.lengths, data_position["epoch"], args.grad_accum, args.bucket_order)
+        schedule = make_schedule(train, data_position["epoch"], args.grad_accum, args.bucket_order)
     bucket_len, step_samples = schedule[data_position["index"]]  # the step's samples, all ranks' and micro-batches'
     data_position = {**data_position, "index": data_position["index"] + 1}
     batch_size = data.bucket_batch_size(args.tokens_per_batch, bucket_len)
@@ -258,8 +266,8 @@ while step < args.max_steps:
              "mfu": mfu, "peak_mem_gb": step_peak_mem_gb, "peak_reserved_gb": metrics.peak_reserved_memory_gb(device),
              "elapsed_s": time.perf_counter() - start_time})
     if step % args.eval_every == 0 or step == args.max_steps:
-        val_loss, val_accuracy = evaluate()
-        log({"step": step, "val_loss": val_loss, "val_accuracy": val_accuracy})
+        validation = evaluate()
+        log({"step": step, **validation})
     if step % args.save_every == 0 or step == args.max_steps:
         save_checkpoint(step, data_position)
     if rank == 0:
@@ -274,9 +282,9 @@ if rank == 0:
     writer.close()
     metrics_file.close()
     elapsed = time.perf_counter() - start_time
-    print(f"done: {step} steps, val loss {val_loss if val_loss is None else round(val_loss, 4)}, "
-          f"answer accuracy {val_accuracy}, non-padding share {total_tokens / max(1, total_padded):.1%}, "
-          f"{total_tokens / elapsed:,.0f} tokens/s, {elapsed:.0f}s")
+    print(f"done: {step} steps, val loss {round(validation['val_loss'], 4)}, "
+          f"answer accuracy {validation['val_accuracy']}, non-padding share {total_tokens / max(1, total_padded):.1%}, "
+          f"{total_tokens / elapsed:,.0f} tokens/s, {elapsed:.0f}s; metrics and checkpoints in {args.out_dir}")
 param_elements, optimizer_elements = modeling.local_state_sizes(model, optimizer)
 print(f"rank {rank} holds {param_elements:,} parameter and {optimizer_elements:,} optimizer-state elements "
       f"({n_params:,} parameters in the model), peak memory in training {run_peak_mem_gb:.2f} GB")

@@ -59,6 +59,10 @@ if not args.chat:  # a pretrained (or any) model continues plain text
 
 builtin_system = common.BUILTIN_SYSTEM_PROMPT if meta.get("data") == "builtin" else ""
 system = args.system if args.system is not None else builtin_system
+if not checkpoints.knows_chat_format(meta):
+    print("note: this model never learned the chat format (a pretraining checkpoint): expect no reply", file=sys.stderr)
+if system and args.system is None:  # said, so that a reply elsewhere (the export's chat template) can match it
+    print(f"system message: {system!r}, the built-in set's (--system to change)", file=sys.stderr)
 conversation = [("system", system)] if system else []
 while True:
     try:

@@ -56,7 +56,8 @@ def stage_list(text):
 
 def get_parser():
     parser = common.ArgumentParser(__doc__)
-    parser.add_argument("--stages", type=stage_list, default=STAGES, help="comma-separated, of " + ", ".join(STAGES))
+    parser.add_argument("--stages", type=stage_list, default=",".join(STAGES), help="comma-separated, of " +
+                        ", ".join(STAGES))
     parser.add_argument("--out-dir", default="runs/pipeline", help="each stage's run goes to a folder here")
     parser.add_argument("--seed", type=common.NON_NEGATIVE_INT, default=1337, help="every stage's --seed")
     parser.add_argument("--model", default="small", choices=list(common.MODEL_PRESETS), help="every stage's --model")

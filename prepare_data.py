@@ -232,12 +232,13 @@ def read_rows(args):
         try:  # streamed, so that only the documents we take are downloaded
             rows = datasets.load_dataset(args.data, args.data_config, split="train", streaming=True)
         except ConnectionError as error:  # what load_dataset raises when the hub cannot be reached (or HF_HUB_OFFLINE)
-            raise HubUnreachable(f"--data {args.data}: the Hugging Face hub cannot be reached "
-                                 f"({common.error_reason(error)}): check the network, or prepare the data with "
-                                 f"prepare_data.py where it can be reached") from None
+            raise HubUnreachable(f"--data {args.data} is no local file or folder, and the Hugging Face hub cannot be "
+                                 f"reached ({common.error_reason(error)}): check the path, or the network (or prepare "
+                                 f"the data with prepare_data.py where the hub can be reached)") from None
         except (datasets.exceptions.DatasetNotFoundError, ValueError) as error:  # no such dataset or configuration
-            raise common.UsageError(f"--data {args.data} could not be loaded from the Hugging Face hub "
-                                    f"({common.error_reason(error)}): check the name and --data-config") from None
+            raise common.UsageError(f"--data {args.data} is no local file or folder, nor a dataset on the Hugging Face "
+                                    f"hub ({common.error_reason(error)}): check the path, the name and --data-config"
+                                    ) from None
         yield from batched(rows.take(args.max_docs) if args.max_docs else rows)
         return
     path, files = Path(args.data).expanduser(), data_files(args.data)  # checked: a bad path is one error line
@@ -412,7 +413,7 @@ def prepare(args, kind, out_dir, workers, progress=True):
     try:
         files = {name: open(partial / name, "wb") for name in names}
         with tqdm(desc=f"tokenizing {args.data}", unit="tok", unit_scale=True, disable=not progress,
-                  mininterval=1) as bar:
+                  mininterval=1, delay=1) as bar:  # delay: an error in the first second shows no empty bar
             for tokens, mask, doc_lengths in ordered_map(encode, batches, workers):
                 for name, array in zip(names, (as_uint16(tokens), mask)):  # pretraining: tokens.bin only
                     files[name].write(array)

@@ -80,7 +80,16 @@ def test_no_method_is_replaced_at_run_time():
                 f"{path.name}:{node.lineno}: a forward replaced at run time"
 
 
-@pytest.mark.parametrize("module", ["common", "modeling", "metrics", "prepare_data", "data", "checkpoints"])
+# The shared modules and what each may import; scripts and tools import shared modules only. A module not listed
+# here cannot be imported by anyone but a test or a benchmark.
+SHARED_IMPORTS = {"common": set(), "modeling": {"common"}, "metrics": {"common"}, "tasks": {"common"},
+                  "prepare_data": {"common"}, "data": {"common", "prepare_data", "tasks"},
+                  "checkpoints": {"common", "modeling"}}
+TOOLS = ["generate.py", "export_hf.py", "evaluate.py", "plot.py"]
+TOP_LEVEL = sorted(p for p in REPO.glob("*.py"))
+
+
+@pytest.mark.parametrize("module", sorted(SHARED_IMPORTS))
 def test_no_shared_module_branches_on_the_stage(module):
     """What only one stage needs lives in its script, or is a parameter the script passes: no shared module reads a
     `stage` (args.stage, a stage argument) to decide what to do."""
@@ -88,14 +97,6 @@ def test_no_shared_module_branches_on_the_stage(module):
         name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else \
             node.arg if isinstance(node, ast.arg) else None
         assert name != "stage", f"{module}.py:{node.lineno}: reads a stage"
-
-
-# The shared modules and what each may import; scripts and tools import shared modules only. A module not listed
-# here cannot be imported by anyone but a test or a benchmark.
-SHARED_IMPORTS = {"common": set(), "modeling": {"common"}, "metrics": {"common"}, "prepare_data": {"common"},
-                  "data": {"common", "prepare_data"}, "checkpoints": {"common", "modeling"}}
-TOOLS = ["generate.py", "export_hf.py", "evaluate.py", "plot.py"]
-TOP_LEVEL = sorted(p for p in REPO.glob("*.py"))
 
 
 def project_imports(path):

@@ -142,10 +142,11 @@ def test_chunking_makes_every_token_but_the_first_a_target_exactly_once():
 
 
 def test_validation_documents_are_fixed_and_never_trained_on(builtin_splits):
-    train, val = builtin_splits  # 21 of the 411 builtin documents are held out, most of them longer than a bucket
+    train, val = builtin_splits[0], builtin_splits[1]["builtin"]  # 21 of the 411 builtin documents held out
     assert len(val.lengths) > 21 * 3  # whole documents: a long one gives several samples, all held out
+
     def covered(split):
-        mask = np.zeros(len(split.tokens), dtype=bool)
+        mask = np.zeros(len(split.tokens[0]), dtype=bool)
         for start, length in zip(split.starts, split.lengths):
             mask[start:start + length] = True
         return mask
@@ -163,7 +164,7 @@ def split_of(samples, mask=None):
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     tokens = np.concatenate(samples).astype(np.uint16)
     counts = lengths - 1 if mask is None else np.array([mask[s + 1:s + n].sum() for s, n in zip(starts, lengths)])
-    return data.Split(tokens, mask, starts, lengths, counts, "")
+    return data.Split([tokens], [mask], np.zeros(len(starts), dtype=np.int64), starts, lengths, counts, None, "")
 
 
 def test_collate_pads_right_and_never_targets_padding():
@@ -183,7 +184,7 @@ def test_collate_targets_only_masked_tokens():
 
 def test_builtin_corpus_is_bucketed_with_at_least_90_percent_real_tokens(builtin_args, builtin_splits):
     train, val = builtin_splits
-    assert len(train.lengths) > 1000 and len(val.lengths) > 50
+    assert len(train.lengths) > 1000 and len(val["builtin"].lengths) > 50
     schedule = data.epoch_schedule(train.lengths, builtin_args.buckets, builtin_args.tokens_per_batch, 2, 1,
                                    seed=1337, epoch=0)
     computed = sum(2 * data.bucket_batch_size(builtin_args.tokens_per_batch, bucket_len) * bucket_len
@@ -194,7 +195,7 @@ def test_builtin_corpus_is_bucketed_with_at_least_90_percent_real_tokens(builtin
 
 
 def test_lr_warms_up_linearly_then_decays_by_cosine_to_the_floor():
-    flags = argparse.Namespace(lr=1.0, warmup_steps=10, max_steps=110, min_lr_ratio=0.1)
+    flags = argparse.Namespace(lr=1.0, warmup_steps=10, max_steps=110, min_lr_ratio=0.1, lr_schedule="cosine")
     def lr(step):
         return common.learning_rate(step, flags)
 
@@ -207,7 +208,7 @@ def test_lr_warms_up_linearly_then_decays_by_cosine_to_the_floor():
 
 def test_collate_copies_rows_out_of_the_memory_map(builtin_splits):
     train, _ = builtin_splits
-    assert isinstance(train.tokens, np.memmap)  # the corpus is never read into memory as a whole
+    assert isinstance(train.tokens[0], np.memmap)  # the corpus is never read into memory as a whole
     input_ids, _ = data.collate(train, [0], int(train.lengths[0]), 1)
     assert input_ids.dtype == torch.long and input_ids[0].tolist() == data.sample_tokens(train, 0).tolist()
 

@@ -1,5 +1,6 @@
 """prepare_data.py: a corpus tokenized once into memory-mapped files, byte for byte the same for any worker count,
 never half-written, and refused when it was made by another format or tokenizer."""
+import argparse
 import hashlib
 import json
 import os
@@ -46,7 +47,8 @@ def prepared(tmp_path_factory):
     """A 3,000-document parquet file prepared in process with 1 worker, and with the command line and 2 workers."""
     tmp = tmp_path_factory.mktemp("prepare")
     texts = write_parquet(tmp / "docs.parquet", 3000)
-    prepare_data.prepare(args_for(tmp / "docs.parquet"), "pretrain", tmp / "one", workers=1, progress=False)
+    args = argparse.Namespace(**{**vars(args_for(tmp / "docs.parquet")), "data": str(tmp / "docs.parquet")})  # one
+    prepare_data.prepare(args, "pretrain", tmp / "one", workers=1, progress=False)
     result = check(run_script("prepare_data.py", "--data", tmp / "docs.parquet", "--out-dir", tmp / "two",
                               "--workers", 2, torchrun=False))
     return tmp, texts, result
@@ -73,11 +75,11 @@ def test_training_reads_a_prepared_folder_as_it_reads_its_source(prepared):
     from_folder = data.load_pretraining_data(args_for(tmp / "two"), common.get_tokenizer())
     from_source = data.load_pretraining_data(args_for(tmp / "docs.parquet", "--cache-dir", tmp / "cache"),
                                              common.get_tokenizer())
-    for a, b in zip(from_folder, from_source):
+    for a, b in zip([from_folder[0], *from_folder[1].values()], [from_source[0], *from_source[1].values()]):
         assert (np.array_equal(a.starts, b.starts) and np.array_equal(a.lengths, b.lengths)
                 and a.content_sha256 == b.content_sha256)
-    assert (isinstance(from_folder[0].tokens, np.memmap)
-            and Path(from_folder[0].tokens.filename) == tmp / "two" / "tokens.bin")
+    assert (isinstance(from_folder[0].tokens[0], np.memmap)
+            and Path(from_folder[0].tokens[0].filename) == tmp / "two" / "tokens.bin")
 
 
 @pytest.mark.parametrize("change,words", [
@@ -142,5 +144,5 @@ def test_a_folder_written_by_save_to_disk_is_read_as_the_dataset_it_holds(layout
     cache = ["--cache-dir", tmp_path / "cache"]
     from_saved = data.load_pretraining_data(args_for(tmp_path / "saved", *cache), common.get_tokenizer())
     from_jsonl = data.load_pretraining_data(args_for(tmp_path / "docs.jsonl", *cache), common.get_tokenizer())
-    for saved, jsonl in zip(from_saved, from_jsonl):
+    for saved, jsonl in zip([from_saved[0], *from_saved[1].values()], [from_jsonl[0], *from_jsonl[1].values()]):
         assert np.array_equal(saved.lengths, jsonl.lengths) and saved.content_sha256 == jsonl.content_sha256

@@ -11,6 +11,7 @@ import pytest
 import common
 import data
 import prepare_data
+import tasks
 
 IGNORE = common.IGNORE_INDEX
 S = common.SPECIAL_TOKENS
@@ -65,7 +66,7 @@ def test_literal_reasoning_markers_in_builtin_replies_become_special_tokens(toke
     tokens, labels = common.encode_conversation(tokenizer, prepare_data.conversation_messages(record, "builtin"))
     for marker in common.REASONING_MARKERS:
         assert tokens.count(S[marker]) == 1 and labels[tokens.index(S[marker])] == S[marker]
-    assert common.solution_text(tokenizer, tokens) == record["conversations"][1]["value"].split("\n\n")[-2]
+    assert tasks.solution_text(tokenizer, tokens) == record["conversations"][1]["value"].split("\n\n")[-2]
 
 
 def test_builtin_reasoning_set_is_deterministic_and_correct():
@@ -101,9 +102,10 @@ def test_openthoughts_and_messages_schemas_load_to_the_same_samples(tmp_path, to
     splits = {}
     for name in ("openthoughts.jsonl", "messages.parquet"):
         splits[name] = data.load_sft_data(sft_args(tmp_path, tmp_path / name), tokenizer)
-    a, b = splits.values()
+    a, b = ([train, *val.values()] for train, val in splits.values())  # the training split, then the held-out one
     for split_a, split_b in zip(a, b):
-        assert np.array_equal(split_a.tokens, split_b.tokens) and np.array_equal(split_a.mask, split_b.mask)
+        assert (np.array_equal(split_a.tokens[0], split_b.tokens[0])
+                and np.array_equal(split_a.masks[0], split_b.masks[0]))
         assert (np.array_equal(split_a.starts, split_b.starts)
                 and np.array_equal(split_a.target_counts, split_b.target_counts))
     assert len(a[0].lengths) == 6 and len(a[1].lengths) == 2
@@ -112,7 +114,7 @@ def test_openthoughts_and_messages_schemas_load_to_the_same_samples(tmp_path, to
     assert set(a[0].target_counts.tolist()) <= reply_lengths
     # The loss mask is exactly the labels of the chat format: assistant text and its end marker.
     tokens = data.sample_tokens(a[0], 0).tolist()
-    labels = [token if a[0].mask[a[0].starts[0] + j] else IGNORE for j, token in enumerate(tokens)]
+    labels = [token if a[0].masks[0][a[0].starts[0] + j] else IGNORE for j, token in enumerate(tokens)]
     messages = next(prepare_data.conversation_messages(row, "x") for row in openthoughts
                     if common.encode_conversation(tokenizer, prepare_data.conversation_messages(row, "x"))[0] == tokens)
     assert common.encode_conversation(tokenizer, messages) == (tokens, labels)
@@ -138,8 +140,9 @@ def test_answer_only_rows_give_prompts_and_answers_under_each_reward(tmp_path, t
     args.val_fraction = 0.01  # one row held out: the test reads both splits
     splits = data.load_sft_data(args, tokenizer, kind="rl")
     found = {}
-    for reward in common.REWARDS:
-        pairs = [pair for split in splits for pair in zip(*data.answer_prompts(tokenizer, split, 10, reward)[:2])]
+    for reward in tasks.REWARDS:
+        pairs = [pair for split in [splits[0], *splits[1].values()]
+                 for pair in zip(*data.answer_prompts(tokenizer, split, 10, reward)[:2])]
         found[reward] = {tokenizer.decode(prompt): answer for prompt, answer in pairs}
     user = "<|system|>Be brief.<|end_of_turn|><|user|>What is 2 + 2?<|end_of_turn|><|assistant|>"
     assert found["exact-text"] == {user: "4", "<|user|>Tom has 3 apples and buys 4. How many now?<|end_of_turn|>"
@@ -155,11 +158,11 @@ def test_rewards_read_the_last_number_or_the_exact_text(tokenizer):
 
     solved = reply("<|begin_of_thought|>3 + 4 = 7, so 7 - 2<|end_of_thought|><|begin_of_solution|>The answer is 5."
                    "<|end_of_solution|>")
-    assert common.reply_answer(tokenizer, solved, "final-number") == 5.0
-    assert common.reply_answer(tokenizer, solved, "exact-text") == "The answer is 5."
+    assert tasks.reply_answer(tokenizer, solved, "final-number") == 5.0
+    assert tasks.reply_answer(tokenizer, solved, "exact-text") == "The answer is 5."
     unmarked = reply("3 + 4 = 7, so the farm holds 1,250.5 kg, not -3")  # no markers: the reply's last number
-    assert common.reply_answer(tokenizer, unmarked, "final-number") == -3.0
-    assert common.reply_answer(tokenizer, unmarked, "exact-text") is None
+    assert tasks.reply_answer(tokenizer, unmarked, "final-number") == -3.0
+    assert tasks.reply_answer(tokenizer, unmarked, "exact-text") is None
     in_words = reply("It is 7.<|begin_of_solution|>seven<|end_of_solution|>")  # markers: only what is inside counts
-    assert common.reply_answer(tokenizer, in_words, "final-number") is None
-    assert [common.final_number(text) for text in ["1,250.5 kg", "72", "72.0", "x", ""]] == [1250.5, 72, 72, None, None]
+    assert tasks.reply_answer(tokenizer, in_words, "final-number") is None
+    assert [tasks.final_number(text) for text in ["1,250.5 kg", "72", "72.0", "x", ""]] == [1250.5, 72, 72, None, None]

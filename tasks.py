@@ -1,0 +1,33 @@
+"""What a reply answers: the text between its solution markers, or its final number. The SFT's accuracy, GRPO's
+reward and evaluate.py read replies alike through these."""
+import re
+
+import common
+
+REWARDS = ["final-number", "exact-text"]  # GRPO's --reward: how a reply is checked against the reference
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")  # 72, -3, 1,000, 2.5
+
+
+def final_number(text):
+    """The last number in a text, as a float (so "1,000" and "1000.0" are equal), or None."""
+    numbers = NUMBER.findall(text or "")
+    return float(numbers[-1].replace(",", "")) if numbers else None
+
+
+def reply_answer(tokenizer, token_ids, reward):
+    """What a reply answers, as --reward compares it: the text between its solution markers (exact-text), or the
+    last number there, else the last in the whole reply (final-number). None: no answer."""
+    text = solution_text(tokenizer, token_ids)
+    if reward == "exact-text":
+        return text
+    return final_number(text if text is not None else common.decode(tokenizer, token_ids))
+
+
+def solution_text(tokenizer, token_ids):
+    """The text between the solution markers of a reply, or None: what the built-in set's accuracy compares."""
+    token_ids = list(token_ids)
+    begin, end = common.SPECIAL_TOKENS["<|begin_of_solution|>"], common.SPECIAL_TOKENS["<|end_of_solution|>"]
+    if begin not in token_ids or end not in token_ids[token_ids.index(begin):]:
+        return None
+    start = token_ids.index(begin) + 1
+    return common.decode(tokenizer, token_ids[start:token_ids.index(end, start)]).strip()

@@ -20,23 +20,26 @@ import tasks
 # ----------------------------------------------------------------------------------------------
 # Sources: --data SOURCE[:WEIGHT] ..., each a prepared folder, or prepared into --cache-dir once per machine.
 
+def source_and_weight(item, flag="--data"):
+    """(SOURCE, WEIGHT or None) of a SOURCE[:WEIGHT] item; a path may hold a ':', but not after its last '/'."""
+    if ":" not in item or "/" in item.rsplit(":", 1)[1]:
+        return item, None
+    source, text = item.rsplit(":", 1)
+    try:
+        weight = float(text)
+    except ValueError:
+        raise common.UsageError(f"{flag} {item}: its weight '{text}' is not a number: pass SOURCE:WEIGHT, e.g. "
+                                f"builtin:0.7") from None
+    if not (weight > 0 and np.isfinite(weight)):
+        raise common.UsageError(f"{flag} {item}: a weight is a positive share of the tokens, got {text}")
+    return source, weight
+
+
 def parse_sources(items):
     """[(source, weight or None)] of --data's SOURCE[:WEIGHT] items. A weight is a share of the training tokens; given
     for one source, it is given for all, and they are normalized to sum to 1; given for none, each sample of every
     source is taken once an epoch."""
-    sources = []
-    for item in items:
-        source, weight = item, None
-        if ":" in item and "/" not in item.rsplit(":", 1)[1]:  # a path may hold a ':', but not after its last '/'
-            source, text = item.rsplit(":", 1)
-            try:
-                weight = float(text)
-            except ValueError:
-                raise common.UsageError(f"--data {item}: its weight '{text}' is not a number: pass SOURCE:WEIGHT, "
-                                        f"e.g. builtin:0.7") from None
-            if not (weight > 0 and np.isfinite(weight)):
-                raise common.UsageError(f"--data {item}: a weight is a positive share of the tokens, got {text}")
-        sources.append((source, weight))
+    sources = [source_and_weight(item) for item in items]
     weights = [weight for _, weight in sources]
     if None in weights and any(weight is not None for weight in weights):
         raise common.UsageError(f"--data {' '.join(items)}: give every source a weight, or none (each sample once an "
@@ -172,17 +175,21 @@ def load_pretraining_data(args, tokenizer):
             corpus = open_prepared(prepared_folder(args, "builtin", chat_tokenizer, "sft"), chat_tokenizer, "sft")
         else:
             corpus = open_prepared(prepared_folder(args, source, tokenizer, "pretrain"), tokenizer, "pretrain")
-        is_val = np.zeros(len(corpus.offsets) - 1, dtype=bool)
-        is_val[validation_documents(len(is_val), args.val_fraction)] = True
-        train.append(pretraining_split(corpus, np.flatnonzero(~is_val), args.buckets[-1]))
-        val[name] = pretraining_split(corpus, np.flatnonzero(is_val), args.buckets[-1])
+        source_train, val[name] = text_splits(corpus, args)
+        train.append(source_train)
     shares = np.array([weight for _, weight in sources]) if sources[0][1] is not None else None
     return mixture(train, shares), val
 
 
-def pretraining_split(corpus, documents, max_len):
-    starts, lengths = document_samples(corpus, documents, max_len)
-    return one_source_split(corpus, None, starts, lengths, lengths - 1)  # every token but a sample's first: a target
+def text_splits(corpus, args):
+    """Train and validation Splits of a text corpus, every token but a sample's first a target."""
+    is_val = np.zeros(len(corpus.offsets) - 1, dtype=bool)
+    is_val[validation_documents(len(is_val), args.val_fraction)] = True
+    splits = []
+    for documents in (np.flatnonzero(~is_val), np.flatnonzero(is_val)):
+        starts, lengths = document_samples(corpus, documents, args.buckets[-1])
+        splits.append(one_source_split(corpus, None, starts, lengths, lengths - 1))
+    return splits
 
 
 def mixture(splits, shares):
@@ -198,10 +205,11 @@ def mixture(splits, shares):
                  shares, hashlib.sha256(named.encode()).hexdigest())
 
 
-def load_sft_data(args, tokenizer, kind="sft"):
-    """Train and validation Splits of encoded conversations (the validation one by name), each cut to the largest
-    bucket (its first tokens still teach); conversations with no target within that length are left out. kind "rl":
-    'builtin' is the RL set."""
+def load_sft_data(args, tokenizer, kind="sft", replay=None):
+    """Train and validation Splits of encoded conversations (the validation ones by name, the conversations' first),
+    each cut to the largest bucket (its first tokens still teach); conversations with no target within that length
+    are left out. kind "rl": 'builtin' is the RL set. replay: SOURCE:SHARE, pretraining text mixed in as that share of
+    the training tokens, every token a target, with its own validation split (named replay-<source>)."""
     if args.data == common.CHAT_AS_TEXT:
         raise common.UsageError(f"--data {args.data} is pretraining's view of the built-in conversations (every token "
                                 f"a target): this script takes conversations, e.g. --data builtin")
@@ -218,7 +226,18 @@ def load_sft_data(args, tokenizer, kind="sft"):
     def split(keep):
         return one_source_split(corpus, corpus.mask, starts[keep], cut[keep], target_counts[keep])
 
-    return split(~is_val & (target_counts > 0)), {source_names([args.data])[0]: split(is_val & (target_counts > 0))}
+    has_targets = target_counts > 0
+    train, val = split(~is_val & has_targets), {source_names([args.data])[0]: split(is_val & has_targets)}
+    if replay is None:
+        return train, val
+    source, share = source_and_weight(replay, "--replay")
+    if source == common.CHAT_AS_TEXT or share is None or share >= 1:
+        raise common.UsageError(f"--replay {replay}: pass pretraining text and its share of the tokens, below 1, "
+                                f"e.g. builtin:0.2")
+    text_tokenizer = common.get_tokenizer()
+    text = open_prepared(prepared_folder(args, source, text_tokenizer, "pretrain"), text_tokenizer, "pretrain")
+    replayed, val[f"replay-{source_names([source])[0]}"] = text_splits(text, args)
+    return mixture([train, replayed], np.array([1 - share, share])), val
 
 
 def answer_prompts(tokenizer, split, limit, reward="exact-text"):

@@ -46,6 +46,9 @@ parser.add_argument("--reshard-after-forward", type=common.boolean, default=True
                     "parameters are freed after forward, gathered again in backward (ZeRO-3); false: kept (ZeRO-2)")
 parser.add_argument("--eval-generate", type=common.NON_NEGATIVE_INT, default=None,
                     help="held-out problems answered by greedy generation at each evaluation (answer accuracy)")
+parser.add_argument("--replay", default=None, help="SOURCE:SHARE: pretraining text trained on beside the conversations "
+                    "as that share of the tokens, every token a target, so that the model keeps its prose (e.g. "
+                    "builtin:0.2; default: none)")
 args = common.finalize_args(parser.parse_args(), world_size)
 device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
 dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
@@ -55,8 +58,8 @@ init_dir = None if resume_dir else checkpoints.find_init_checkpoint(args, "fsdp2
 
 # ---------------------------------------------------------------------------------------------- data
 tokenizer = common.get_chat_tokenizer()  # GPT-2 BPE plus the role and reasoning markers
-# Splits over the memory-mapped tokens; the targets: assistant tokens only.
-train, val = data.load_sft_data(args, tokenizer)
+# Splits over the memory-mapped tokens; the targets: assistant tokens only (and every token of replayed text).
+train, val = data.load_sft_data(args, tokenizer, replay=args.replay)
 data_order = data.data_order(args, train, val, world_size)  # what the sample order depends on (checked: enough samples)
 checkpoints.check_resume(resume_dir, args, data_order)  # --resume: the same data order; says which other flags changed
 

@@ -1,5 +1,6 @@
-"""Plots of training runs, overlaid: loss against step and against tokens, validation loss, and the answer accuracy
-and reward of SFT and GRPO runs, each panel drawn only when some run logged its metric.
+"""Plots of training runs, overlaid: loss against step and against tokens, validation loss (all sources, and each
+source of a mixture), and the answer accuracy and reward of SFT and GRPO runs, each panel drawn only when some run
+logged its metric.
 
     python plot.py runs/ddp_pretrain runs/fsdp1_pretrain runs/fsdp2_pretrain --out pretrain.png
     python plot.py runs/fsdp2_sft runs/fsdp2_grpo --out stages.png
@@ -62,7 +63,11 @@ def plot(run_dirs, out):
     import matplotlib.pyplot as plt
 
     runs = dict(zip(run_labels(run_dirs), map(read_run, run_dirs)))
-    panels = [panel for panel in PANELS if any(panel[:2] in series for series in runs.values())]
+    per_source = [{metric for metric, _ in series if metric.startswith("val_loss/")} for series in runs.values()]
+    # A panel per source of the mixtures among the runs (a single source's loss is the validation loss itself).
+    sources = sorted(set().union(*[metrics for metrics in per_source if len(metrics) > 1]))
+    panels = [*PANELS[:3], *[(metric, "step", f"validation loss: {metric[9:]}") for metric in sources], *PANELS[3:]]
+    panels = [panel for panel in panels if any(panel[:2] in series for series in runs.values())]
     if not panels:
         raise common.UsageError(f"none of {', '.join(map(str, run_dirs))} logged a metric to plot: pass runs that "
                                 f"trained at least one step")

@@ -48,6 +48,22 @@ BAD_INPUTS = {  # case: (script, flags, ranks, words the error line must hold: t
     "SFT conversation with no assistant turn":
         ("fsdp2_sft.py", ["--model", "tiny", *SFT_INIT, "--data", "{tmp}/no_assistant.jsonl"], 1,
          ["--data", "no assistant turn"]),
+    "mixture weight that is not a number":
+        ("ddp_pretrain.py", ["--model", "tiny", "--data", "builtin:lots"], 1, ["--data builtin:lots", "not a number"]),
+    "mixture weight of zero":
+        ("ddp_pretrain.py", ["--model", "tiny", "--data", "builtin:0", "builtin-chat:1"], 1,
+         ["--data builtin:0", "positive"]),
+    "mixture weights for some sources only":
+        ("ddp_pretrain.py", ["--model", "tiny", "--data", "builtin:0.7", "builtin-chat"], 1,
+         ["--data", "every source a weight"]),
+    "mixture source that does not exist":
+        ("ddp_pretrain.py", ["--model", "tiny", "--data", "builtin:0.5", "{tmp}/nope.jsonl:0.5"], 1,
+         ["--data", "nope.jsonl", "does not exist"]),
+    "SFT given pretraining's view of the conversations":
+        ("fsdp2_sft.py", ["--model", "tiny", *SFT_INIT, "--data", "builtin-chat"], 1,
+         ["--data builtin-chat", "conversations"]),
+    "init-from another model size":
+        ("ddp_pretrain.py", ["--model", "small", "--init-from", "{tmp}/ddp"], 1, ["--init-from", "'tiny'", "--model"]),
     "unknown model preset": ("ddp_pretrain.py", ["--model", "huge"], 1, ["--model", "huge"]),
     "step count that is not a number": ("ddp_pretrain.py", ["--max-steps", "ten"], 1, ["--max-steps", "invalid int"]),
     "buckets that are not numbers":

@@ -21,12 +21,11 @@ DIFFS = {
     ("ddp_pretrain.py", "pp_pretrain.py"):  # the stage module, its schedule per bucket, the tied weight's two copies
         {"preamble": 11, "setup": 15, "data": 2, "distributed": 5, "model": 30, "wrap": 3, "checkpoint": 28,
          "resume": 2, "pipeline": 21, "evaluation": 7, "training loop": 26},
-    ("fsdp2_pretrain.py", "fsdp2_sft.py"):  # chat data, the marker rows' init, answer accuracy
-        {"preamble": 18, "setup": 7, "data": 6, "init from a checkpoint": 17, "evaluation": 13, "training loop": 8,
-         "end": 4},
+    ("fsdp2_pretrain.py", "fsdp2_sft.py"):  # chat data, its init read shard by shard, the marker rows, accuracy
+        {"preamble": 19, "setup": 8, "data": 6, "model": 2, "init from a checkpoint": 17, "evaluation": 16, "end": 4},
     ("fsdp2_sft.py", "fsdp2_grpo.py"):  # prompts and rewards, rollouts, the advantage and the policy-gradient loss
         {"preamble": 13, "setup": 24, "data": 16, "model": 2, "init from a checkpoint": 9, "resume": 5,
-         "evaluation": 8, "rollouts": 11, "training loop": 77},
+         "evaluation": 11, "rollouts": 11, "training loop": 77},
 }
 SECTION = re.compile(r"^# -{20,} (.+)$")
 HUNK = re.compile(r"^(\d+)(?:,(\d+))?([acd])(\d+)(?:,(\d+))?$")  # diff's own: 33c36,49, 7a8, 12d11

@@ -11,6 +11,7 @@ import pytest
 import checkpoints
 import common
 import data
+import plot
 from helpers import TINY_CORPUS, TINY_RUN, check, copy_checkpoint, read_metrics, run_script
 
 
@@ -83,7 +84,7 @@ def midtraining(tiny_run, tmp_path_factory):
     return out, flags
 
 
-def test_midtraining_starts_from_the_weights_and_logs_each_sources_validation_loss(tiny_run, midtraining):
+def test_midtraining_starts_from_the_weights_and_logs_each_sources_validation_loss(tiny_run, midtraining, tmp_path):
     out, flags = midtraining
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     validation = [row for row in rows if "val_loss" in row]
@@ -104,6 +105,8 @@ def test_midtraining_starts_from_the_weights_and_logs_each_sources_validation_lo
     config = json.loads((out / "config.json").read_text())
     assert config["flags"]["init_from"] == str(tiny_run("ddp_pretrain.py")[0])
     assert validation[-1]["val_loss/builtin-chat"] < validation[0]["val_loss/builtin-chat"] - 1  # it learns them
+    assert {"validation loss: builtin-chat against step", "validation loss: tiny_corpus against step"} <= set(
+        plot.plot([out], tmp_path / "mid.png"))  # a panel per source
 
 
 def test_init_from_carries_the_weights_exactly(tiny_run, tmp_path):

@@ -19,8 +19,9 @@ PATH is a checkpoint folder, a run folder (its newest checkpoint) or an export_h
     arith_4op       as arith_gen, on chains of four operations
     arith_reworded  as arith_gen, on the held-out problems asked in four other phrasings
 
-The last four need a chat model (fsdp2_sft.py's or fsdp2_grpo.py's). Intervals: Wilson's for a proportion, a
-bootstrap over the examples for a mean. Prints a table; --out also writes one JSON row per (task, metric).
+The last four need a model that learned the chat format (fsdp2_sft.py's, fsdp2_grpo.py's, or a midtrained one).
+Intervals: Wilson's for a proportion, a bootstrap over the examples for a mean. Prints a table; --out also writes one
+JSON row per (task, metric).
 """
 import argparse
 import json
@@ -290,12 +291,13 @@ def evaluate(args):
     meta = checkpoints.read_meta(checkpoint_dir, "PATH")
     # Held out: the split the checkpoint's own run validated on (at the default, every default run's).
     args.val_fraction = meta.get("config", {}).get("val_fraction", VAL_FRACTION)
-    chat = meta["script"] in common.CHAT_SCRIPTS
+    chat = checkpoints.knows_chat_format(meta)  # a chat script's model, or a midtrained one (builtin-chat)
     tasks = args.tasks or [task for task in TASKS if chat or task not in CHAT_TASKS]
     if not chat and any(task in CHAT_TASKS for task in tasks):
-        raise common.UsageError(f"--tasks {','.join(t for t in tasks if t in CHAT_TASKS)} needs a chat model "
-                                f"(fsdp2_sft.py's or fsdp2_grpo.py's); {checkpoint_dir} is {meta['script']}'s: "
-                                f"use --tasks prose_bpb,arith_choice")
+        raise common.UsageError(f"--tasks {','.join(t for t in tasks if t in CHAT_TASKS)} needs a model that learned "
+                                f"the chat format (fsdp2_sft.py's, fsdp2_grpo.py's, or a pretraining run's on "
+                                f"builtin-chat); {checkpoint_dir} is {meta['script']}'s: use --tasks "
+                                f"prose_bpb,arith_choice")
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     model, meta = checkpoints.load_checkpoint_model(checkpoint_dir, device)
     if device.type == "cuda":

@@ -30,13 +30,22 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
+import checkpoints
 import common
 
 REPO = Path(__file__).resolve().parent
 
-STAGES = ["pretrain", "sft", "grpo", "control", "eval"]
-SCRIPTS = {"pretrain": "fsdp2_pretrain.py", "sft": "fsdp2_sft.py", "grpo": "fsdp2_grpo.py", "control": "fsdp2_sft.py"}
-SOURCES = {"sft": "pretrain", "grpo": "sft", "control": "sft"}  # the run each stage starts from
+STAGES = ["pretrain", "mid", "sft", "grpo", "control", "eval"]
+SCRIPTS = {"pretrain": "fsdp2_pretrain.py", "mid": "fsdp2_pretrain.py", "sft": "fsdp2_sft.py", "grpo": "fsdp2_grpo.py",
+           "control": "fsdp2_sft.py"}
+SOURCES = {"mid": "pretrain", "sft": "mid", "grpo": "sft", "control": "sft"}  # the run each starts from
+# Midtraining: pretraining text and the built-in conversations 70:30 (by tokens), from pretraining's weights, the LR
+# held, then decayed over its last half; its length per preset. The SFT replays pretraining text, so as to keep its
+# prose (docs/sft.md, measured).
+MID_STEPS = {"tiny": 20, "small": 120, "qwen2-0.5b": 1000}
+MID_TEXT_SHARE, SFT_REPLAY_SHARE = 0.7, 0.2
 IN_DISTRIBUTION, NEW_SHAPES = "arith_gen", ["arith_2op", "arith_4op", "arith_reworded"]  # GRPO trains on the latter
 
 
@@ -86,14 +95,34 @@ def provenance():
             "date": datetime.date.today().isoformat(), "torch": importlib.metadata.version("torch")}
 
 
+def source_of(stage, args):
+    """The run a stage starts from: SOURCES', but the SFT starts from pretraining when there is no midtraining."""
+    mid_ran = "mid" in args.stages or (Path(args.out_dir) / "mid" / "checkpoints").is_dir()
+    return "pretrain" if stage == "sft" and not mid_ran else SOURCES.get(stage)
+
+
+def stage_flags(stage, args):
+    """The flags the pipeline gives a stage, before the user's own (which win): midtraining's mixture and schedule,
+    the SFT's replay, and every checkpoint kept (evaluate.py reads them all)."""
+    flags = ["--keep-last", "1000"]
+    if stage == "mid":
+        flags += ["--data", f"{args.pretrain_data}:{MID_TEXT_SHARE}", f"{common.CHAT_AS_TEXT}:{1 - MID_TEXT_SHARE:g}",
+                  "--lr-schedule", "wsd", "--decay-fraction", "0.5", "--max-steps", str(MID_STEPS[args.model]),
+                  "--save-every", str(MID_STEPS[args.model] // 2), "--eval-every", str(MID_STEPS[args.model] // 4)]
+    if stage == "sft" and SFT_REPLAY_SHARE:  # (the control continues the SFT with its flags: control_flags)
+        flags += ["--replay", f"{args.pretrain_data}:{SFT_REPLAY_SHARE}"]
+    return flags
+
+
 def run_stage(stage, args, extra):
     """Run one training stage under torchrun; returns its wall-clock seconds and its command. A failed stage stops the
     pipeline."""
     out = Path(args.out_dir) / stage
-    flags = ["--model", args.model, "--seed", str(args.seed), "--out-dir", str(out), *extra]
-    flags += ["--data", {"pretrain": args.pretrain_data, "grpo": args.rl_data}.get(stage, args.sft_data)]
-    if stage in SOURCES:
-        flags += ["--init-from", str(Path(args.out_dir) / SOURCES[stage])]
+    flags = ["--model", args.model, "--seed", str(args.seed), "--out-dir", str(out), *stage_flags(stage, args), *extra]
+    if stage != "mid":
+        flags += ["--data", {"pretrain": args.pretrain_data, "grpo": args.rl_data}.get(stage, args.sft_data)]
+    if source_of(stage, args):
+        flags += ["--init-from", str(Path(args.out_dir) / source_of(stage, args))]
     if stage == "control":
         flags += control_flags(Path(args.out_dir))
     if stage == "grpo" and args.rl_data == "builtin" and "--reward" not in extra:
@@ -130,18 +159,35 @@ def control_flags(out_dir):
     flags = json.loads((out_dir / "sft" / "config.json").read_text())["flags"]
     final_lr = flags["lr"] * flags["min_lr_ratio"]
     return ["--max-steps", str(steps), "--lr", f"{final_lr:.6g}", "--min-lr-ratio", "1", "--warmup-steps", "0",
-            "--save-every", str(steps)]
+            "--save-every", str(steps), *(["--replay", flags["replay"]] if flags.get("replay") else [])]
 
 
-def evaluate_stages(out_dir, stages, limit):
-    """evaluate.py on each run's newest checkpoint; its rows, each with its stage."""
+def evaluate_stages(out_dir, stages, args):
+    """evaluate.py on every checkpoint of each run (its newest on every task, the others on the abilities the figure
+    draws); its rows, each with its stage, whether it is the run's newest, and the training tokens the run and the
+    stages before it had seen at that checkpoint."""
     import evaluate
+    import plot
 
-    rows = []
+    rows, seen = [], {}  # seen: the tokens each run had trained on when it ended
     for stage in stages:
-        print(f"\n== eval: python evaluate.py {out_dir / stage} --limit {limit}", flush=True)
-        args = evaluate.get_parser().parse_args([str(out_dir / stage), "--limit", str(limit)])
-        rows += [{"stage": stage, **row} for row in evaluate.evaluate(args)]
+        source = source_of(stage, args)
+        steps = [row for row in read_rows(out_dir / stage) if "loss" in row]
+        run_tokens = dict(zip([row["step"] for row in steps], np.cumsum([row["tokens"] for row in steps])))
+        before = seen.get(source, 0) if source in stages else 0
+        seen[stage] = before + (int(max(run_tokens.values())) if run_tokens else 0)
+        found = checkpoints.complete_checkpoints(out_dir / stage / "checkpoints")
+        for checkpoint_dir in found:
+            newest = checkpoint_dir == found[-1]
+            command = [str(checkpoint_dir), "--limit", str(args.eval_limit)]
+            if not newest:  # of the abilities the figure draws, those this model can do
+                chat = checkpoints.knows_chat_format(checkpoints.read_meta(checkpoint_dir, "checkpoint"))
+                command += ["--tasks", ",".join(task for task, _, _ in plot.ABILITIES
+                                                if chat or task not in evaluate.CHAT_TASKS)]
+            print(f"\n== eval: python evaluate.py {shlex.join(command)}", flush=True)
+            step = int(checkpoint_dir.name[5:])
+            rows += [{"stage": stage, "newest": newest, "tokens": before + int(run_tokens.get(step, 0)), **row}
+                     for row in evaluate.evaluate(evaluate.get_parser().parse_args(command))]
     return rows
 
 
@@ -157,7 +203,7 @@ def cell(row):
 def report(rows, stages, runs, now, out_dir):
     """DIR/report.md: how it was made, each stage's command, the stage table with intervals, and GRPO's gains against
     the SFT and the control."""
-    found = {(row["stage"], row["task"], row["metric"]): row for row in rows}
+    found = {(row["stage"], row["task"], row["metric"]): row for row in rows if row["newest"]}
     tasks = [(task, metric) for task, metric in dict.fromkeys((row["task"], row["metric"]) for row in rows)
              if metric in ("bpb", "accuracy")]
     lines = ["# Pipeline report", "", f"Written by `{now['pipeline']}` at commit {now['commit']}, {now['date']}, torch "
@@ -200,17 +246,18 @@ def main():
     stages = [stage for stage in SCRIPTS if (out_dir / stage / "checkpoints").is_dir()]
     if not stages:
         raise common.UsageError(f"--out-dir {out_dir} holds no stage's checkpoints: run the training stages first")
-    rows = evaluate_stages(out_dir, stages, args.eval_limit)
+    rows = evaluate_stages(out_dir, stages, args)
     (out_dir / "eval.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     import plot
 
-    plots = {"pretrain": ["pretrain"], "sft": ["sft"], "grpo": ["grpo", "control"]}  # GRPO beside its control
+    plots = {"pretrain": ["pretrain", "mid"], "sft": ["sft"], "grpo": ["grpo", "control"]}  # GRPO beside its control
     plots = {name: [out_dir / stage for stage in runs if stage in stages] for name, runs in plots.items()}
     for name, runs in plots.items():
         if runs:
             plot.plot(runs, out_dir / f"{name}.png")
+    plot.plot_abilities(rows, out_dir / "abilities.png")
     print(f"\nwrote {report(rows, stages, stage_runs, now, out_dir)}, {out_dir / 'eval.jsonl'} and the plots "
-          f"{', '.join(f'{name}.png' for name, runs in plots.items() if runs)}")
+          f"{', '.join(f'{name}.png' for name, runs in plots.items() if runs)}, abilities.png")
 
 
 if __name__ == "__main__":

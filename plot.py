@@ -11,6 +11,8 @@ its folder's name (and its parents', where two runs share a name) and drawn in o
 import json
 from pathlib import Path
 
+import numpy as np
+
 import common
 
 # (metric, x axis, title) of each panel, in order; a panel is drawn when some run logged the metric.
@@ -100,11 +102,60 @@ def draw(runs, panels):
     return figure
 
 
+# (task, metric, title) of the abilities figure: evaluate.py's scores of every checkpoint of pipeline.py's stages.
+ABILITIES = [("prose_bpb", "bpb", "prose: bits per byte (lower is better)"),
+             ("arith_choice", "accuracy", "arithmetic by choice: accuracy"),
+             ("arith_gen", "accuracy", "arithmetic by generation: accuracy")]
+STAGE_COLOURS = {"pretrain": "C0", "mid": "C1", "sft": "C2", "grpo": "C3", "control": "C7"}
+
+
+def plot_abilities(rows, out):
+    """Each ability against the training tokens seen over all stages so far: a point per checkpoint with its 95%
+    interval, a colour per stage, a dotted line where each stage starts. rows: evaluate.py's, each with its stage and
+    tokens (pipeline.py's eval.jsonl)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stages = list(dict.fromkeys(row["stage"] for row in rows))
+    figure, axes = plt.subplots(1, len(ABILITIES), figsize=(5.2 * len(ABILITIES), 3.8), squeeze=False)
+    for axis, (task, metric, title) in zip(axes[0], ABILITIES):
+        for stage in stages:
+            points = sorted((row["tokens"], row["value"], row["ci_low"], row["ci_high"]) for row in rows
+                            if (row["stage"], row["task"], row["metric"]) == (stage, task, metric))
+            if points:
+                x, y, low, high = map(np.array, zip(*points))
+                axis.errorbar(x, y, yerr=[y - low, high - y], fmt="o-", color=STAGE_COLOURS.get(stage, "C9"),
+                              label=stage, capsize=3, markersize=4, linewidth=1.2)
+        for stage in stages:  # where a stage starts: the tokens its first checkpoint's run began from
+            starts = [row["tokens"] for row in rows if row["stage"] == stage]
+            if stage != stages[0] and starts:
+                axis.axvline(min(starts), color=STAGE_COLOURS.get(stage, "C9"), linestyle=":", linewidth=1)
+        axis.set(title=title, xlabel="training tokens, all stages", ylabel=metric)
+        axis.ticklabel_format(axis="x", style="sci", scilimits=(-3, 4))
+        axis.grid(alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="lower center", ncol=len(stages), fontsize=8, frameon=False)
+    figure.tight_layout(rect=(0, 0.08, 1, 1))
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+
+
 def main():
     parser = common.ArgumentParser(__doc__)
-    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="runs to overlay (their --out-dir)")
+    parser.add_argument("run_dirs", nargs="*", metavar="RUN_DIR", help="runs to overlay (their --out-dir)")
     parser.add_argument("--out", required=True, help="the image file to write (.png, .svg or .pdf)")
+    parser.add_argument("--abilities", default=None, help="instead of runs: pipeline.py's eval.jsonl, drawn as each "
+                        "ability against the training tokens of all stages")
     args = parser.parse_intermixed_args()  # --out may stand anywhere among the runs
+    if args.abilities:
+        plot_abilities([json.loads(line) for line in Path(args.abilities).read_text().splitlines()], args.out)
+        print(f"wrote {args.out}: {'; '.join(title for _, _, title in ABILITIES)} against the training tokens")
+        return
+    if not args.run_dirs:
+        parser.error("pass the runs to plot (their --out-dir), or --abilities eval.jsonl")
     panels = plot(args.run_dirs, args.out)
     print(f"wrote {args.out}: {'; '.join(panels)}")
 

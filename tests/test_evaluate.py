@@ -139,7 +139,7 @@ def test_arith_gen_equals_the_sft_scripts_val_accuracy(tiny_run, tmp_path):
 
 def test_bad_input_is_one_line(tiny_run, tmp_path):
     cases = [([str(tmp_path)], str(tmp_path), "neither a checkpoint"),  # an empty folder
-             ([str(tiny_run("fsdp2_pretrain.py")[0]), "--tasks", "arith_gen"], "--tasks arith_gen", "chat model")]
+             ([str(tiny_run("fsdp2_pretrain.py")[0]), "--tasks", "arith_gen"], "--tasks arith_gen", "chat format")]
     for argv, flag, words in cases:
         with pytest.raises(common.UsageError) as error:
             evaluate.evaluate(evaluate.get_parser().parse_args(argv))

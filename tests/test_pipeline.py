@@ -14,18 +14,21 @@ from helpers import REPO, TINY_CORPUS, check, read_metrics, run_script
 
 
 def test_the_pipeline_runs_its_stages_from_the_one_before_and_reports_them(tiny_run, tmp_path):
-    """The shared tiny runs stand in for the pretrain and sft stages (the same code launches every stage); GRPO and
-    the control run here, from the sft stage."""
+    """The shared tiny runs stand in for the pretrain and sft stages (the same code launches every stage); midtraining
+    runs here from the pretrain stage, GRPO and the control from the sft stage."""
     out = tmp_path / "pipeline"
     for stage, script in [("pretrain", "fsdp2_pretrain.py"), ("sft", "fsdp2_sft.py")]:
         shutil.copytree(tiny_run(script)[0], out / stage)
-    flags = ["--model", "tiny", "--nproc", 1, "--seed", 3, "--out-dir", out, "--stages", "grpo,control,eval",
-             "--cache-dir", TINY_CORPUS.parent / "cache", "--dtype", "fp32", "--max-steps", 4, "--eval-every", 4,
-             "--save-every", 4, "--val-fraction", 0.002, "--eval-limit", 8]
+    flags = ["--model", "tiny", "--nproc", 1, "--seed", 3, "--out-dir", out, "--stages", "mid,grpo,control,eval",
+             "--pretrain-data", TINY_CORPUS, "--cache-dir", TINY_CORPUS.parent / "cache", "--dtype", "fp32",
+             "--max-steps", 4, "--eval-every", 4, "--save-every", 4, "--val-fraction", 0.002, "--eval-limit", 8]
     check(run_script("pipeline.py", *flags))
     configs = {stage: json.loads((out / stage / "config.json").read_text())["flags"] for stage in pipeline.SCRIPTS}
     assert all(configs[stage]["seed"] == 3 and configs[stage]["model"] == "tiny" for stage in ("grpo", "control"))
     assert configs["grpo"]["init_from"] == configs["control"]["init_from"] == str(out / "sft")
+    # Midtraining: pretraining from the pretrain stage's weights, on its text and the built-in conversations 70:30.
+    assert configs["mid"]["init_from"] == str(out / "pretrain") and configs["mid"]["lr_schedule"] == "wsd"
+    assert configs["mid"]["data"] == [f"{TINY_CORPUS}:0.7", "builtin-chat:0.3"]
     # The control: as many steps as GRPO's time holds at the SFT's pace, at the SFT's final rate, held.
     sft_rows = list(read_metrics(out / "sft")[0].values())
     grpo_time = max(row["elapsed_s"] for row in read_metrics(out / "grpo")[0].values())
@@ -46,14 +49,20 @@ def test_the_pipeline_runs_its_stages_from_the_one_before_and_reports_them(tiny_
     assert all(row["ci_low"] <= row["value"] <= row["ci_high"] and row["step"] for row in rows)
     assert {row["n"] for row in rows if row["task"] != "prose_bpb"} == {8}  # --eval-limit reached evaluate.py
     report = (out / "report.md").read_text()
-    assert "| task: metric | pretrain | sft | grpo | control |" in report and "GRPO - SFT" in report
+    assert "| task: metric | pretrain | mid | sft | grpo | control |" in report and "GRPO - SFT" in report
+    # Every checkpoint evaluated, at the tokens of all stages so far: each run's own, after its source's.
+    assert sum(row["newest"] for row in rows if row["task"] == "prose_bpb" and row["stage"] == "pretrain") == 1
+    assert len({row["step"] for row in rows if row["stage"] == "pretrain"}) == 2  # steps 10 and 20
+    assert (min(row["tokens"] for row in rows if row["stage"] == "mid")
+            > max(row["tokens"] for row in rows if row["stage"] == "pretrain"))
+    assert (out / "abilities.png").stat().st_size > 0
     # How it was made: this very command (every flag), the commit, the date, torch; each stage's own command.
     commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True)
     header = f"Written by `{shlex.join(['python', 'pipeline.py', *map(str, flags)])}` at commit {commit.stdout.strip()}"
     assert header in report and datetime.date.today().isoformat() in report
     assert f"torch {importlib.metadata.version('torch')}" in report
     runs = json.loads((out / "stages.json").read_text())
-    assert sorted(runs) == ["control", "grpo"] and all(f"`{run['command']}`" in report for run in runs.values())
+    assert sorted(runs) == ["control", "grpo", "mid"] and all(f"`{run['command']}`" in report for run in runs.values())
     assert runs["grpo"]["command"].startswith("torchrun --standalone --nproc_per_node=1 fsdp2_grpo.py --model tiny")
     assert "--dtype fp32" in runs["grpo"]["command"] and "--init-from" in runs["control"]["command"]
     grpo = next(row for row in rows if (row["stage"], row["task"], row["metric"]) == ("grpo", "arith_gen", "accuracy"))

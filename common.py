@@ -196,7 +196,7 @@ class ArgumentParser(argparse.ArgumentParser):
         args = super().parse_args(args, namespace)
         if self.training_defaults:  # the flags left unset take the --model preset's values
             for name, value in preset_defaults(args.model, self.training_defaults).items():
-                if getattr(args, name) is None:
+                if name in vars(args) and getattr(args, name) is None:  # a flag of this parser (scripts add their own)
                     setattr(args, name, value)
         return args
 

@@ -42,9 +42,9 @@ SCRIPTS = {"pretrain": "fsdp2_pretrain.py", "mid": "fsdp2_pretrain.py", "sft": "
            "control": "fsdp2_sft.py"}
 SOURCES = {"mid": "pretrain", "sft": "mid", "grpo": "sft", "control": "sft"}  # the run each starts from
 # Midtraining: pretraining text and the built-in conversations 70:30 (by tokens), from pretraining's weights, the LR
-# held, then decayed over its last half; its length per preset. The SFT replays pretraining text, so as to keep its
-# prose (docs/sft.md, measured).
-MID_STEPS = {"tiny": 20, "small": 120, "qwen2-0.5b": 1000}
+# warmed up again, held, then decayed over its last fifth; (steps, warmup steps) per preset. The SFT replays
+# pretraining text, so as to keep its prose, and saves 4 times for the abilities figure (docs/pipeline.md, measured).
+MID_SCHEDULE = {"tiny": (20, 2), "small": (60, 5), "qwen2-0.5b": (1000, 50)}
 MID_TEXT_SHARE, SFT_REPLAY_SHARE = 0.7, 0.2
 IN_DISTRIBUTION, NEW_SHAPES = "arith_gen", ["arith_2op", "arith_4op", "arith_reworded"]  # GRPO trains on the latter
 
@@ -106,11 +106,13 @@ def stage_flags(stage, args):
     the SFT's replay, and every checkpoint kept (evaluate.py reads them all)."""
     flags = ["--keep-last", "1000"]
     if stage == "mid":
+        steps, warmup = MID_SCHEDULE[args.model]
         flags += ["--data", f"{args.pretrain_data}:{MID_TEXT_SHARE}", f"{common.CHAT_AS_TEXT}:{1 - MID_TEXT_SHARE:g}",
-                  "--lr-schedule", "wsd", "--decay-fraction", "0.5", "--max-steps", str(MID_STEPS[args.model]),
-                  "--save-every", str(MID_STEPS[args.model] // 2), "--eval-every", str(MID_STEPS[args.model] // 4)]
-    if stage == "sft" and SFT_REPLAY_SHARE:  # (the control continues the SFT with its flags: control_flags)
-        flags += ["--replay", f"{args.pretrain_data}:{SFT_REPLAY_SHARE}"]
+                  "--lr-schedule", "wsd", "--decay-fraction", "0.2", "--max-steps", str(steps), "--warmup-steps",
+                  str(warmup), "--save-every", str(steps // 2), "--eval-every", str(steps // 4)]
+    if stage == "sft":  # (the control continues the SFT with its flags: control_flags)
+        flags += ["--replay", f"{args.pretrain_data}:{SFT_REPLAY_SHARE}", "--save-every",
+                  str(common.preset_defaults(args.model, "sft")["max_steps"] // 4)]
     return flags
 
 

@@ -290,7 +290,9 @@ def test_empty_or_foreign_data_files_are_one_error_line_and_write_nothing(stage,
     load = data.load_pretraining_data if stage == "train" else data.load_sft_data
     tokenizer = common.get_tokenizer() if stage == "train" else common.get_chat_tokenizer()
     for name, path in empty_and_foreign_files(tmp_path / "data").items():
-        parser = common.get_parser("", str(tmp_path / "run"), stage)
+        # the SFT's --data is one source (its help, not pretraining's, says so)
+        parser = (common.get_parser("", str(tmp_path / "run")) if stage == "train" else
+                  common.get_parser("", str(tmp_path / "run"), "sft", data_help="conversations"))
         args = common.finalize_args(parser.parse_args(["--model", "tiny", "--data", str(path),
                                                        "--cache-dir", str(tmp_path / "cache")]))
         with pytest.raises(common.UsageError) as error:

@@ -71,7 +71,7 @@ def test_resume_follows_a_new_lr_and_says_what_changed(twenty_steps, tmp_path):
                               "--resume", nproc=2))
     assert "changed against the checkpoint: --lr 0.001 (was 0.003), --max-steps 12 (was 20)" in result.stdout
     resumed, original = read_metrics(resumed_dir)[0], read_metrics(twenty_steps[0])[0]
-    flags = argparse.Namespace(lr=1e-3, warmup_steps=5, max_steps=12, min_lr_ratio=0.1)
+    flags = argparse.Namespace(lr=1e-3, warmup_steps=5, max_steps=12, min_lr_ratio=0.1, lr_schedule="cosine")
     assert resumed[11]["lr"] == pytest.approx(common.learning_rate(10, flags), rel=1e-12)
     assert resumed[11]["lr"] < original[11]["lr"] / 2  # not the checkpoint's 3e-3 schedule
 

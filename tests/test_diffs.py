@@ -22,9 +22,9 @@ DIFFS = {
         {"preamble": 11, "setup": 15, "data": 2, "distributed": 5, "model": 30, "wrap": 3, "checkpoint": 28,
          "resume": 2, "pipeline": 21, "evaluation": 7, "training loop": 26},
     ("fsdp2_pretrain.py", "fsdp2_sft.py"):  # chat data, its init read shard by shard, the marker rows, accuracy
-        {"preamble": 19, "setup": 8, "data": 6, "model": 2, "init from a checkpoint": 17, "evaluation": 16, "end": 4},
+        {"preamble": 19, "setup": 11, "data": 6, "model": 2, "init from a checkpoint": 17, "evaluation": 16, "end": 4},
     ("fsdp2_sft.py", "fsdp2_grpo.py"):  # prompts and rewards, rollouts, the advantage and the policy-gradient loss
-        {"preamble": 13, "setup": 24, "data": 16, "model": 2, "init from a checkpoint": 9, "resume": 5,
+        {"preamble": 13, "setup": 27, "data": 16, "model": 2, "init from a checkpoint": 9, "resume": 5,
          "evaluation": 11, "rollouts": 11, "training loop": 77},
 }
 SECTION = re.compile(r"^# -{20,} (.+)$")

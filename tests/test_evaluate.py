@@ -109,7 +109,7 @@ def test_arith_gen_equals_the_sft_scripts_val_accuracy(tiny_run, tmp_path):
     own --val-fraction, which the checkpoint records), and the same accuracy on its checkpoint; the command writes
     every task's rows."""
     out, _ = tiny_run("fsdp2_sft.py")
-    parser = common.get_parser("", str(tmp_path), "sft")
+    parser = common.get_parser("", str(tmp_path), "sft", data_help="conversations")  # --data one source, as the SFT's
     args = common.finalize_args(parser.parse_args([*map(str, TINY_RUN), *SFT_DATA]))
     tokenizer = common.get_chat_tokenizer()
     prompts, answers, _ = data.answer_prompts(tokenizer, data.load_sft_data(args, tokenizer)[1]["builtin"], 8)

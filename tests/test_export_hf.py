@@ -130,7 +130,8 @@ def test_a_generate_py_chat_ends_cleanly_at_the_end_of_input(exported, monkeypat
     runpy.run_path(str(REPO / "generate.py"), run_name="__main__")  # returns: it neither raises nor exits non-zero
     printed = capsys.readouterr()
     assert printed.out.startswith("user> assistant> ") and printed.out.endswith("\nuser> \n")
-    assert printed.err == f"loaded {checkpoint_dir} (fsdp2_sft.py, step 20), model 'tiny'\n"
+    assert printed.err == (f"loaded {checkpoint_dir} (fsdp2_sft.py, step 20), model 'tiny'\n"
+                           "system message: 'Reason step by step.', the built-in set's (--system to change)\n")
 
 
 def test_export_refuses_a_partial_checkpoint_and_a_used_out_dir(exported, tmp_path):

@@ -59,7 +59,8 @@ def wilson_interval(successes, n):
     p, z2 = successes / n, Z * Z
     center = (p + z2 / (2 * n)) / (1 + z2 / n)
     half = Z / (1 + z2 / n) * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
-    return max(0.0, center - half), min(1.0, center + half)
+    # at 0 or n successes the bound is the proportion itself (computed, it may miss it by a rounding error)
+    return 0.0 if successes == 0 else max(0.0, center - half), 1.0 if successes == n else min(1.0, center + half)
 
 
 def bootstrap_interval(numerators, denominators=None, seed=0, resamples=1000):

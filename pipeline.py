@@ -166,8 +166,8 @@ def control_flags(out_dir):
 
 def evaluate_stages(out_dir, stages, args):
     """evaluate.py on every checkpoint of each run (its newest on every task, the others on the abilities the figure
-    draws); its rows, each with its stage, whether it is the run's newest, and the training tokens the run and the
-    stages before it had seen at that checkpoint."""
+    draws); its rows, each with its stage, whether it is the run's newest, the training tokens the stages before it
+    had seen (stage_start), and those it and they had seen at that checkpoint."""
     import evaluate
     import plot
 
@@ -188,7 +188,8 @@ def evaluate_stages(out_dir, stages, args):
                                                 if chat or task not in evaluate.CHAT_TASKS)]
             print(f"\n== eval: python evaluate.py {shlex.join(command)}", flush=True)
             step = int(checkpoint_dir.name[5:])
-            rows += [{"stage": stage, "newest": newest, "tokens": before + int(run_tokens.get(step, 0)), **row}
+            rows += [{"stage": stage, "newest": newest, "stage_start": before,
+                      "tokens": before + int(run_tokens.get(step, 0)), **row}
                      for row in evaluate.evaluate(evaluate.get_parser().parse_args(command))]
     return rows
 

@@ -112,7 +112,7 @@ STAGE_COLOURS = {"pretrain": "C0", "mid": "C1", "sft": "C2", "grpo": "C3", "cont
 def plot_abilities(rows, out):
     """Each ability against the training tokens seen over all stages so far: a point per checkpoint with its 95%
     interval, a colour per stage, a dotted line where each stage starts. rows: evaluate.py's, each with its stage and
-    tokens (pipeline.py's eval.jsonl)."""
+    tokens and where its stage started (pipeline.py's eval.jsonl)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -128,10 +128,9 @@ def plot_abilities(rows, out):
                 x, y, low, high = map(np.array, zip(*points))
                 axis.errorbar(x, y, yerr=[y - low, high - y], fmt="o-", color=STAGE_COLOURS.get(stage, "C9"),
                               label=stage, capsize=3, markersize=4, linewidth=1.2)
-        for stage in stages:  # where a stage starts: the tokens its first checkpoint's run began from
-            starts = [row["tokens"] for row in rows if row["stage"] == stage]
-            if stage != stages[0] and starts:
-                axis.axvline(min(starts), color=STAGE_COLOURS.get(stage, "C9"), linestyle=":", linewidth=1)
+        for stage in stages[1:]:  # where a stage starts: the tokens the stages before it had seen
+            start = next(row["stage_start"] for row in rows if row["stage"] == stage)
+            axis.axvline(start, color=STAGE_COLOURS.get(stage, "C9"), linestyle=":", linewidth=1)
         axis.set(title=title, xlabel="training tokens, all stages", ylabel=metric)
         axis.ticklabel_format(axis="x", style="sci", scilimits=(-3, 4))
         axis.grid(alpha=0.3)

@@ -44,8 +44,8 @@ SOURCES = {"mid": "pretrain", "sft": "mid", "grpo": "sft", "control": "sft"}  # 
 # Midtraining: pretraining text and the built-in conversations 70:30 (by tokens), from pretraining's weights, the LR
 # warmed up again, held, then decayed over its last fifth; (steps, warmup steps) per preset. The SFT replays
 # pretraining text, so as to keep its prose, and saves 4 times for the abilities figure (docs/pipeline.md, measured).
-MID_SCHEDULE = {"tiny": (20, 2), "small": (60, 5), "qwen2-0.5b": (1000, 50)}
-MID_TEXT_SHARE, SFT_REPLAY_SHARE = 0.7, 0.2
+MID_SCHEDULE = {"tiny": (20, 2), "small": (30, 3), "qwen2-0.5b": (1000, 50)}
+MID_TEXT_SHARE, SFT_REPLAY_SHARE = 0.7, 0.1
 IN_DISTRIBUTION, NEW_SHAPES = "arith_gen", ["arith_2op", "arith_4op", "arith_reworded"]  # GRPO trains on the latter
 
 

@@ -18,6 +18,9 @@ PATH is a checkpoint folder, a run folder (its newest checkpoint) or an export_h
     arith_2op       as arith_gen, on chains of two operations (the built-in set holds chains of three only)
     arith_4op       as arith_gen, on chains of four operations
     arith_reworded  as arith_gen, on the held-out problems asked in four other phrasings
+    parity          greedy replies to held-out rows of 10 to 16 bits (the lengths the SFT set holds): accuracy, and
+                    worked, the share of replies in the worked mode (tasks.py); pass@k with --samples
+    parity_long     as parity, on rows of 20 to 24 bits, a length no training set holds
 
 The last four need a model that learned the chat format (fsdp2_sft.py's, fsdp2_grpo.py's, or a midtrained one).
 Intervals: Wilson's for a proportion, a bootstrap over the examples for a mean. Prints a table; --out also writes one
@@ -41,8 +44,8 @@ import modeling
 import prepare_data
 import tasks
 
-TASKS = ["prose_bpb", "arith_choice", "arith_gen", "arith_2op", "arith_4op", "arith_reworded"]
-CHAT_TASKS = ["arith_gen", "arith_2op", "arith_4op", "arith_reworded"]
+TASKS = ["prose_bpb", "arith_choice", "arith_gen", "arith_2op", "arith_4op", "arith_reworded", "parity", "parity_long"]
+CHAT_TASKS = ["arith_gen", "arith_2op", "arith_4op", "arith_reworded", "parity", "parity_long"]
 VAL_FRACTION = 0.05  # the scripts' default --val-fraction, for a checkpoint that does not record its own
 FEW_SHOT = 3  # solved problems before the question, for a pretrained model
 Z = 1.959964  # the normal distribution's 97.5% point: 95% intervals
@@ -158,15 +161,19 @@ def problem(record, question=None):
 
 
 def task_problems(task, args):
-    """The problems of one arithmetic task, at most args.limit; deterministic."""
+    """The problems of one generation task, at most args.limit; deterministic."""
+    if task in ("parity", "parity_long"):  # each with its worked reply, the longer of the two modes
+        lengths = tasks.PARITY_LENGTHS if task == "parity" else tasks.PARITY_LONG_LENGTHS
+        return [(tasks.parity_question(bits), tasks.parity_reply(bits, worked=True), f"The answer is {sum(bits) % 2}.")
+                for bits in tasks.parity_held_out(min(args.limit, 500), lengths)]
     if task in ("arith_2op", "arith_4op"):  # in no training data: SFT chains are of three, the RL set avoids these
-        return [problem(record) for record in prepare_data.builtin_reasoning_records(  # 500: as a held-out split holds
-            min(args.limit, 500), prepare_data.HELD_OUT_SEED, operations=int(task[6]))]
-    records = held_out(prepare_data.builtin_reasoning_records(), args.val_fraction)[:args.limit]
+        return [problem(record) for record in tasks.builtin_reasoning_records(  # 500: as a held-out split holds
+            min(args.limit, 500), tasks.HELD_OUT_SEED, operations=int(task[6]))]
+    records = held_out(tasks.builtin_reasoning_records(), args.val_fraction)[:args.limit]
     if task != "arith_reworded":
         return [problem(record) for record in records]
     # Each problem in another phrasing, in turn: "Compute 3 + 4 - 2 + 1." becomes "What is 3 + 4 - 2 + 1?", ...
-    return [problem(record, prepare_data.REPHRASINGS[i % len(prepare_data.REPHRASINGS)].format(
+    return [problem(record, tasks.REPHRASINGS[i % len(tasks.REPHRASINGS)].format(
         record["conversations"][0]["value"].removeprefix("Compute ").removesuffix(".")))
         for i, record in enumerate(records)]
 
@@ -212,7 +219,7 @@ def choice_prompts(tokenizer, problems, chat, args):
                                    "is", allowed_special=set(common.REASONING_MARKERS), disallowed_special=())
         return [chat_prompt(tokenizer, question) + opening for question, _, _ in problems], choices
     # A pretrained model sees solved problems of the training split first, then the question.
-    records = prepare_data.builtin_reasoning_records()
+    records = tasks.builtin_reasoning_records()
     held = {problem(record)[0] for record in held_out(records, args.val_fraction)}
     shots = random.Random(args.seed).sample([problem(r) for r in records[:2000] if problem(r)[0] not in held], FEW_SHOT)
     examples = "".join(f"{question} {answer}\n" for question, _, answer in shots)
@@ -230,23 +237,25 @@ def arith_choice(model, tokenizer, args, chat):
             row("gold_bpb", float(gold_bits.mean()), len(problems), bootstrap_interval(gold_bits, seed=args.seed))]
 
 
-def arith_generation(model, tokenizer, args, task):
+def generation(model, tokenizer, args, task):
     """Greedy exact match and markers; with --samples, pass@k and maj@N of sampled replies."""
     problems = task_problems(task, args)
     prompts = [chat_prompt(tokenizer, question) for question, _, _ in problems]
     # The reply bound fsdp2_sft.py uses: the longest reference reply (with its end marker), plus 16 tokens.
     max_new_tokens = 16 + max(len(common.encode_conversation(tokenizer, [("assistant", reply)])[0]) - 1
                               for _, reply, _ in problems)
-    answers = [tasks.solution_text(tokenizer, reply) for reply in replies(model, prompts, max_new_tokens,
-                                                                            args.batch_size)]
+    greedy = replies(model, prompts, max_new_tokens, args.batch_size)
+    answers = [tasks.solution_text(tokenizer, reply) for reply in greedy]
     n = len(problems)
     rows = [proportion("accuracy", sum(a == p[2] for a, p in zip(answers, problems)), n),
             proportion("with_markers", sum(a is not None for a in answers), n)]
+    if task.startswith("parity"):
+        rows.append(proportion("worked", sum(tasks.is_worked(tokenizer, reply) for reply in greedy), n))
     if args.samples:
         torch.manual_seed(args.seed)
-        sampled = replies(model, [p for p in prompts for _ in range(args.samples)], max_new_tokens, args.batch_size,
-                          temperature=1.0)
-        sampled = [tasks.solution_text(tokenizer, reply) for reply in sampled]
+        sampled_replies = replies(model, [p for p in prompts for _ in range(args.samples)], max_new_tokens,
+                                  args.batch_size, temperature=1.0)
+        sampled = [tasks.solution_text(tokenizer, reply) for reply in sampled_replies]
         per_problem = [sampled[i * args.samples:(i + 1) * args.samples] for i in range(n)]
         right = [sum(a == p[2] for a in group) for group, p in zip(per_problem, problems)]
         for k in sorted({*(2**i for i in range(args.samples.bit_length()) if 2**i <= args.samples), args.samples}):
@@ -254,6 +263,9 @@ def arith_generation(model, tokenizer, args, task):
             rows.append(row(f"pass@{k}", float(np.mean(values)), n, bootstrap_interval(values, seed=args.seed)))
         rows.append(proportion(f"maj@{args.samples}", sum(majority_answer(group) == p[2]
                                                           for group, p in zip(per_problem, problems)), n))
+        if task.startswith("parity"):
+            worked = sum(tasks.is_worked(tokenizer, reply) for reply in sampled_replies)
+            rows.append(proportion("sampled_worked", worked, n * args.samples))
     return rows
 
 
@@ -312,7 +324,7 @@ def evaluate(args):
         elif task == "arith_choice":
             task_rows = arith_choice(model, tokenizer, args, chat)
         else:
-            task_rows = arith_generation(model, tokenizer, args, task)
+            task_rows = generation(model, tokenizer, args, task)
         rows += [{"task": task, **r, "checkpoint": str(checkpoint_dir), "script": meta["script"], "step": meta["step"]}
                  for r in task_rows]
     return rows

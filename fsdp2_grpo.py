@@ -284,10 +284,11 @@ while step < args.max_steps:
     rollouts = rollout_split(prompts, replies)
     flat = (groups.max(1).values == groups.min(1).values).sum()  # groups whose rewards are all equal
     with_markers = sum(tasks.solution_text(tokenizer, reply) is not None for reply in replies)
-    stats = torch.tensor([rewards.sum(), len(rewards), flat, len(groups), with_markers,
+    worked = sum(tasks.is_worked(tokenizer, reply) for reply in replies)  # replies whose thought holds anything
+    stats = torch.tensor([rewards.sum(), len(rewards), flat, len(groups), with_markers, worked,
                           rollouts.target_counts.sum(), rollouts.lengths.sum()], dtype=torch.float64, device=device)
     dist.all_reduce(stats)  # the step's totals over all ranks: rewards, groups, reply tokens (the loss's denominator)
-    reward_sum, n_replies, flat_groups, n_groups, with_markers, target_tokens, tokens = stats.tolist()
+    reward_sum, n_replies, flat_groups, n_groups, with_markers, worked, target_tokens, tokens = stats.tolist()
     target_tokens, tokens = int(target_tokens), int(tokens)
     rollout_time, train_start = time.perf_counter() - step_start, time.perf_counter()
 
@@ -338,7 +339,8 @@ while step < args.max_steps:
              "mfu": mfu, "peak_mem_gb": step_peak_mem_gb, "peak_reserved_gb": metrics.peak_reserved_memory_gb(device),
              "elapsed_s": time.perf_counter() - start_time, "reward": reward_sum / n_replies,
              "zero_spread_groups": flat_groups / n_groups, "reply_tokens": target_tokens / n_replies,
-             "with_markers": with_markers / n_replies, "rollout_s": rollout_time, "train_s": step_time})
+             "with_markers": with_markers / n_replies, "worked": worked / n_replies, "rollout_s": rollout_time,
+             "train_s": step_time})
     if step % args.eval_every == 0 or step == args.max_steps:
         validation = evaluate()
         log({"step": step, **validation})

@@ -1,6 +1,6 @@
 """Plots of training runs, overlaid: loss against step and against tokens, validation loss (all sources, and each
-source of a mixture), and the answer accuracy and reward of SFT and GRPO runs, each panel drawn only when some run
-logged its metric.
+source of a mixture), and the answer accuracy of SFT and GRPO runs, with GRPO's reward, share of replies in the worked
+mode and reply length, each panel drawn only when some run logged its metric.
 
     python plot.py runs/ddp_pretrain runs/fsdp1_pretrain runs/fsdp2_pretrain --out pretrain.png
     python plot.py runs/fsdp2_sft runs/fsdp2_grpo --out stages.png
@@ -18,7 +18,8 @@ import common
 # (metric, x axis, title) of each panel, in order; a panel is drawn when some run logged the metric.
 PANELS = [("loss", "step", "training loss"), ("loss", "tokens", "training loss"),
           ("val_loss", "step", "validation loss"), ("val_accuracy", "step", "held-out answer accuracy"),
-          ("reward", "step", "mean reward")]
+          ("reward", "step", "mean reward"), ("worked", "step", "replies in the worked mode"),
+          ("reply_tokens", "step", "reply length (tokens)")]
 
 
 def read_run(run_dir):

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 import common
+import tasks
 
 BATCH_ROWS = 1024  # rows per tokenization task: enough to amortize the hand-off, small enough to bound memory
 DATA_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
@@ -76,71 +77,6 @@ def builtin_documents():
         if docstrings:
             documents.append("\n\n".join(docstrings))
     return documents
-
-
-def builtin_reasoning_records(n=10_000, seed=0, operations=3):
-    """A generated reasoning set in the OpenThoughts format, deterministic by seed: chains of `operations` (three)
-    single-digit additions and subtractions whose results stay within 0..9, no problem twice. Each thought
-    step does one operation and carries the rest (6 + 2 = 8, so 8 - 6 - 1; ...): every result sits right
-    after its operands, and the solution is "The answer is 1.". One chain length on purpose: a 4-layer
-    model learns to copy operands by position, and a rarer length is what it then gets wrong (evaluate.py
-    asks chains of two and four, out of distribution)."""
-    import random
-
-    distinct = 10 * 11**operations  # 11 choices per step
-    assert n <= 0.9 * distinct, f"there are {distinct:,} distinct problems of {operations} operations; ask for fewer"
-    rng, records, seen = random.Random(seed), [], set()
-    while len(records) < n:
-        value = rng.randint(0, 9)
-        terms = [str(value)]
-        for _ in range(operations):
-            op = rng.choice("+-")
-            operand = rng.randint(0, 9 - value) if op == "+" else rng.randint(0, value)  # results stay within 0..9
-            value = value + operand if op == "+" else value - operand
-            terms += [op, str(operand)]
-        question = f"Compute {' '.join(terms)}."
-        if question in seen:
-            continue
-        seen.add(question)
-        steps = []
-        while len(terms) > 1:
-            first, op, operand = int(terms[0]), terms[1], int(terms[2])
-            terms = [str(first + operand if op == "+" else first - operand), *terms[3:]]
-            steps.append(f"{first} {op} {operand} = {terms[0]}" + (f", so {' '.join(terms)}" if len(terms) > 1 else ""))
-        thoughts = "First, " + "; ".join(steps)  # a word first: every number is the same " 5" token as in the question
-        answer = (f"<|begin_of_thought|>\n\n{thoughts}\n\n<|end_of_thought|>\n\n"
-                  f"<|begin_of_solution|>\n\nThe answer is {value}.\n\n<|end_of_solution|>")
-        records.append({"system": common.BUILTIN_SYSTEM_PROMPT, "conversations": [
-            {"from": "user", "value": question}, {"from": "assistant", "value": answer}]})
-    return records
-
-
-REPHRASINGS = ["What is {}?", "Calculate {}.", "Find the value of {}.", "{} = ?"]  # the built-in set: "Compute {}."
-HELD_OUT_SEED = 1000  # seeds evaluate.py's chains of two and four operations, which no training set holds
-
-
-def builtin_rl_records():
-    """Answer-only problems of shapes the built-in SFT set never shows, for fsdp2_grpo.py: chains of two and of four
-    operations, and chains of three (none of the SFT's 10,000) asked in other words. Each row is a prompt and its
-    answer in the solution's words ("The answer is 1."), no worked solution. evaluate.py's held-out problems of these
-    shapes are left out."""
-    import random
-
-    held_out = {record["conversations"][0]["value"] for operations in (2, 4)
-                for record in builtin_reasoning_records(500, HELD_OUT_SEED, operations)}
-    records = [*builtin_reasoning_records(1089, seed=2000, operations=2),  # 1,089: 90% of the 1,210 there are
-               *builtin_reasoning_records(3000, seed=2000, operations=4)]
-    records = [record for record in records if record["conversations"][0]["value"] not in held_out]
-    sft_set = builtin_reasoning_records(11_979)  # its first 10,000 are the SFT's; the rest, what it never saw
-    questions = [record["conversations"][0]["value"] for record in records]
-    questions += [REPHRASINGS[i % len(REPHRASINGS)].format(record["conversations"][0]["value"][8:-1])
-                  for i, record in enumerate(sft_set[10_000:])]  # "Compute 3 + 4 - 2." -> "What is 3 + 4 - 2?"
-    replies = [record["conversations"][1]["value"] for record in [*records, *sft_set[10_000:]]]
-    answers = [reply.split("<|begin_of_solution|>")[1].split("<|end_of_solution|>")[0].strip() for reply in replies]
-    rows = [{"system": common.BUILTIN_SYSTEM_PROMPT, "prompt": question, "answer": answer}
-            for question, answer in zip(questions, answers)]
-    random.Random(0).shuffle(rows)  # the shapes mixed, so that a validation split holds each
-    return rows
 
 
 def looks_local(data):
@@ -304,7 +240,7 @@ def conversation_messages(row, data):
 
 def builtin_records(kind):
     """The built-in set of a kind of conversation data: "sft" reasoning conversations, "rl" answer-only problems."""
-    return builtin_reasoning_records() if kind == "sft" else builtin_rl_records()
+    return tasks.builtin_reasoning_records() if kind == "sft" else tasks.builtin_rl_records()
 
 
 def sft_conversations(args, kind="sft"):

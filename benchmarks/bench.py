@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 import common  # noqa: E402
-import prepare_data  # noqa: E402
+import tasks  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--model", default="small")
@@ -102,7 +102,7 @@ def varied_conversations(path, n=3000, seed=0):
     """OpenThoughts-format conversations of 1 to 7 built-in problems, short ones most common (as in real SFT sets),
     after a system prompt of 0 to 60 extra words, so that lengths spread out (68 to about 560 tokens) instead of
     sitting at multiples of one problem's length."""
-    rng, problems = random.Random(seed), prepare_data.builtin_reasoning_records()
+    rng, problems = random.Random(seed), tasks.builtin_reasoning_records()
     words = "please answer carefully and show each step of the work before the final result".split()
     with open(path, "w") as f:
         for _ in range(n):

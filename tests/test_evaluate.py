@@ -98,7 +98,7 @@ def test_generation_metrics_score_known_replies(tiny_model, monkeypatch):
         return out
 
     monkeypatch.setattr(evaluate, "replies", made_up)
-    rows = {row["metric"]: row["value"] for row in evaluate.arith_generation(tiny_model, tokenizer, args, "arith_4op")}
+    rows = {row["metric"]: row["value"] for row in evaluate.generation(tiny_model, tokenizer, args, "arith_4op")}
     correct = [0, 1, 2, 3, 4]  # of 4 replies each (problem 4: 4 of 4)
     assert rows["accuracy"] == 3 / 5 and rows["with_markers"] == 4 / 5
     assert rows["pass@1"] == pytest.approx(np.mean([c / 4 for c in correct]))

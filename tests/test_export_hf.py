@@ -16,7 +16,7 @@ import common
 import data
 import export_hf
 import modeling
-import prepare_data
+import tasks
 from helpers import REPO, check, read_metrics, run_script, tree_hashes
 
 SCRIPTS = ["ddp_pretrain.py", "fsdp1_pretrain.py", "fsdp2_pretrain.py", "fsdp2_tp_pretrain.py", "pp_pretrain.py",
@@ -83,7 +83,7 @@ def test_autotokenizer_on_the_export_gives_the_training_ids(exported, script):
 
 def held_out_question():
     """A built-in problem of the SFT's validation split (the tiny run's --val-fraction), never trained on."""
-    records = prepare_data.builtin_reasoning_records()
+    records = tasks.builtin_reasoning_records()
     return records[data.validation_documents(len(records), 0.002)[0]]["conversations"][0]["value"]
 
 

@@ -14,6 +14,7 @@ import checkpoints
 import common
 import evaluate
 import prepare_data
+import tasks
 from helpers import SFT_DATA, TINY_RUN, check, model_tensors, read_metrics, reply_saying, run_script
 
 
@@ -25,12 +26,12 @@ def builtin_prompt_tokens():
     """The shortest built-in RL prompt (system, user, <|assistant|>): a reply has the bucket (72) less that."""
     tokenizer = common.get_chat_tokenizer()
     return min(len(common.encode_conversation(tokenizer, prepare_data.conversation_messages(row, "builtin")[:-1])[0])
-               + 1 for row in prepare_data.builtin_rl_records())
+               + 1 for row in tasks.builtin_rl_records())
 
 
 def test_the_builtin_rl_set_is_new_shapes_answered_right_and_none_of_evaluates_problems():
-    rows = prepare_data.builtin_rl_records()
-    sft = {record["conversations"][0]["value"] for record in prepare_data.builtin_reasoning_records()}
+    rows = tasks.builtin_rl_records()
+    sft = {record["conversations"][0]["value"] for record in tasks.builtin_reasoning_records()}
     args = argparse.Namespace(limit=500, val_fraction=0.05)
     held_out = {question for task in evaluate.CHAT_TASKS for question, _, _ in evaluate.task_problems(task, args)}
     questions = [row["prompt"] for row in rows]

@@ -62,7 +62,7 @@ def test_a_message_cannot_forge_a_turn_or_a_reasoning_marker(tokenizer):
 
 
 def test_literal_reasoning_markers_in_builtin_replies_become_special_tokens(tokenizer):
-    record = prepare_data.builtin_reasoning_records(1)[0]
+    record = tasks.builtin_reasoning_records(1)[0]
     tokens, labels = common.encode_conversation(tokenizer, prepare_data.conversation_messages(record, "builtin"))
     for marker in common.REASONING_MARKERS:
         assert tokens.count(S[marker]) == 1 and labels[tokens.index(S[marker])] == S[marker]
@@ -70,8 +70,8 @@ def test_literal_reasoning_markers_in_builtin_replies_become_special_tokens(toke
 
 
 def test_builtin_reasoning_set_is_deterministic_and_correct():
-    records = prepare_data.builtin_reasoning_records(300, seed=3)
-    assert records == prepare_data.builtin_reasoning_records(300, seed=3)
+    records = tasks.builtin_reasoning_records(300, seed=3)
+    assert records == tasks.builtin_reasoning_records(300, seed=3)
     questions = [r["conversations"][0]["value"] for r in records]
     assert len(set(questions)) == 300
     for record in records:

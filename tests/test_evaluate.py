@@ -129,9 +129,10 @@ def test_arith_gen_equals_the_sft_scripts_val_accuracy(tiny_run, tmp_path):
     found = {(r["task"], r["metric"]): r for r in rows}
     assert found["arith_gen", "accuracy"]["value"] == val_accuracy
     assert {task for task, _ in found} == set(evaluate.TASKS)
-    for task in evaluate.CHAT_TASKS:
+    for task in evaluate.CHAT_TASKS:  # the parity tasks also say how many replies were in the worked mode
+        worked = {"worked", "sampled_worked"} if task.startswith("parity") else set()
         assert {metric for t, metric in found if t == task} == {"accuracy", "with_markers", "pass@1", "pass@2",
-                                                                 "maj@2"}
+                                                                 "maj@2", *worked}
     assert {metric for t, metric in found if t != "prose_bpb" and t not in evaluate.CHAT_TASKS} == {"accuracy",
                                                                                                  "gold_bpb"}
     for r in rows:
@@ -158,11 +159,12 @@ def test_plot_draws_each_run_and_each_logged_metric(tiny_run, tmp_path):
                                                "fsdp2_grpo.py")]
     panels = plot.plot(runs, tmp_path / "runs.png")
     assert panels == ["training loss against step", "training loss against tokens", "validation loss against step",
-                      "held-out answer accuracy against step", "mean reward against step"]
+                      "held-out answer accuracy against step", "mean reward against step",
+                      "replies in the worked mode against step", "reply length (tokens) against step"]
     import matplotlib.image
 
     height, width, _ = matplotlib.image.imread(tmp_path / "runs.png").shape
-    assert width > 4 * height  # five panels side by side
+    assert width > 6 * height  # seven panels side by side
     # Tokens on the x axis are the running total of each step's tokens.
     series = plot.read_run(runs[0])
     rows = [json.loads(line) for line in (Path(runs[0]) / "metrics.jsonl").read_text().splitlines()]

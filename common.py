@@ -101,8 +101,8 @@ MODEL_PRESETS = {
         # scores the finished model on 200.
         sft=dict(buckets=[68, 96], tokens_per_batch=512, lr=3e-3, warmup_steps=30, max_steps=1000, eval_every=125,
                  save_every=500, eval_generate=50),
-        # RL on the built-in RL set (shapes the SFT never saw), from the finished SFT; a bucket holds a four-operation
-        # chain (85 tokens) and a rank's 64 replies a step are one micro-batch.
+        # RL on the built-in RL set (the solve family's questions), from the finished SFT; a bucket holds a prompt and
+        # its worked reply (about 75 tokens) and a rank's 64 replies a step are one micro-batch.
         grpo=dict(buckets=[96], tokens_per_batch=6144, lr=1e-4, min_lr_ratio=1.0, warmup_steps=5, max_steps=50,
                   eval_every=25, save_every=25, prompts_per_step=8, eval_generate=200),
     ),

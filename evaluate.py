@@ -18,11 +18,12 @@ PATH is a checkpoint folder, a run folder (its newest checkpoint) or an export_h
     arith_2op       as arith_gen, on chains of two operations (the built-in set holds chains of three only)
     arith_4op       as arith_gen, on chains of four operations
     arith_reworded  as arith_gen, on the held-out problems asked in four other phrasings
-    parity          greedy replies to held-out rows of 10 to 16 bits (the lengths the SFT set holds): accuracy, and
-                    worked, the share of replies in the worked mode (tasks.py); pass@k with --samples
-    parity_long     as parity, on rows of 20 to 24 bits, a length no training set holds
+    solve           greedy replies to held-out chains of three asked "Solve 3 + 4 - 2." (the SFT set answers most of
+                    its solve rows at once, a few worked; tasks.py): accuracy, and worked, the share of replies in the
+                    worked mode; with --samples also sampled_worked
+    solve_long      as solve, on arith_4op's chains of four operations, a length no training set holds
 
-The last four need a model that learned the chat format (fsdp2_sft.py's, fsdp2_grpo.py's, or a midtrained one).
+The last six need a model that learned the chat format (fsdp2_sft.py's, fsdp2_grpo.py's, or a midtrained one).
 Intervals: Wilson's for a proportion, a bootstrap over the examples for a mean. Prints a table; --out also writes one
 JSON row per (task, metric).
 """
@@ -44,8 +45,8 @@ import modeling
 import prepare_data
 import tasks
 
-TASKS = ["prose_bpb", "arith_choice", "arith_gen", "arith_2op", "arith_4op", "arith_reworded", "parity", "parity_long"]
-CHAT_TASKS = ["arith_gen", "arith_2op", "arith_4op", "arith_reworded", "parity", "parity_long"]
+TASKS = ["prose_bpb", "arith_choice", "arith_gen", "arith_2op", "arith_4op", "arith_reworded", "solve", "solve_long"]
+CHAT_TASKS = ["arith_gen", "arith_2op", "arith_4op", "arith_reworded", "solve", "solve_long"]
 VAL_FRACTION = 0.05  # the scripts' default --val-fraction, for a checkpoint that does not record its own
 FEW_SHOT = 3  # solved problems before the question, for a pretrained model
 Z = 1.959964  # the normal distribution's 97.5% point: 95% intervals
@@ -151,6 +152,12 @@ def held_out(items, val_fraction):
     return [items[i] for i in data.validation_documents(len(items), val_fraction)]
 
 
+def arith_held_out(val_fraction):
+    """The arithmetic records of the built-in SFT set's validation split at that --val-fraction: never trained on."""
+    return [record for record in held_out(tasks.builtin_sft_records(), val_fraction)
+            if record["conversations"][0]["value"].startswith("Compute ")]
+
+
 def problem(record, question=None):
     """(question, reference reply, reference answer) of a built-in record; the answer is the text between the
     solution markers, as the scripts compare it."""
@@ -162,14 +169,13 @@ def problem(record, question=None):
 
 def task_problems(task, args):
     """The problems of one generation task, at most args.limit; deterministic."""
-    if task in ("parity", "parity_long"):  # each with its worked reply, the longer of the two modes
-        lengths = tasks.PARITY_LENGTHS if task == "parity" else tasks.PARITY_LONG_LENGTHS
-        return [(tasks.parity_question(bits), tasks.parity_reply(bits, worked=True), f"The answer is {sum(bits) % 2}.")
-                for bits in tasks.parity_held_out(min(args.limit, 500), lengths)]
-    if task in ("arith_2op", "arith_4op"):  # in no training data: SFT chains are of three, the RL set avoids these
+    if task in ("solve", "solve_long"):  # each with its worked reply, the longer of the two modes
+        return [problem(record, tasks.solve_question(record)) for record in tasks.solve_held_out(
+            min(args.limit, 500), operations=3 if task == "solve" else 4)]
+    if task in ("arith_2op", "arith_4op"):  # in no training data: every training set's chains are of three
         return [problem(record) for record in tasks.builtin_reasoning_records(  # 500: as a held-out split holds
             min(args.limit, 500), tasks.HELD_OUT_SEED, operations=int(task[6]))]
-    records = held_out(tasks.builtin_reasoning_records(), args.val_fraction)[:args.limit]
+    records = arith_held_out(args.val_fraction)[:args.limit]
     if task != "arith_reworded":
         return [problem(record) for record in records]
     # Each problem in another phrasing, in turn: "Compute 3 + 4 - 2 + 1." becomes "What is 3 + 4 - 2 + 1?", ...
@@ -220,7 +226,7 @@ def choice_prompts(tokenizer, problems, chat, args):
         return [chat_prompt(tokenizer, question) + opening for question, _, _ in problems], choices
     # A pretrained model sees solved problems of the training split first, then the question.
     records = tasks.builtin_reasoning_records()
-    held = {problem(record)[0] for record in held_out(records, args.val_fraction)}
+    held = {problem(record)[0] for record in arith_held_out(args.val_fraction)}
     shots = random.Random(args.seed).sample([problem(r) for r in records[:2000] if problem(r)[0] not in held], FEW_SHOT)
     examples = "".join(f"{question} {answer}\n" for question, _, answer in shots)
     return [tokenizer.encode_ordinary(f"{examples}{question} The answer is") for question, _, _ in problems], choices
@@ -249,7 +255,7 @@ def generation(model, tokenizer, args, task):
     n = len(problems)
     rows = [proportion("accuracy", sum(a == p[2] for a, p in zip(answers, problems)), n),
             proportion("with_markers", sum(a is not None for a in answers), n)]
-    if task.startswith("parity"):
+    if task.startswith("solve"):
         rows.append(proportion("worked", sum(tasks.is_worked(tokenizer, reply) for reply in greedy), n))
     if args.samples:
         torch.manual_seed(args.seed)
@@ -263,7 +269,7 @@ def generation(model, tokenizer, args, task):
             rows.append(row(f"pass@{k}", float(np.mean(values)), n, bootstrap_interval(values, seed=args.seed)))
         rows.append(proportion(f"maj@{args.samples}", sum(majority_answer(group) == p[2]
                                                           for group, p in zip(per_problem, problems)), n))
-        if task.startswith("parity"):
+        if task.startswith("solve"):
             worked = sum(tasks.is_worked(tokenizer, reply) for reply in sampled_replies)
             rows.append(proportion("sampled_worked", worked, n * args.samples))
     return rows

@@ -1,4 +1,5 @@
-"""The whole pipeline in one command: pretraining -> SFT -> GRPO (and its control) -> evaluate.py -> plots -> a report.
+"""The whole pipeline in one command: pretraining -> midtraining -> SFT -> GRPO (beside its control and a reference)
+-> evaluate.py -> plots -> a report.
 
     python pipeline.py                                        # small model, built-in data, 2 processes: ~35 minutes
     python pipeline.py --seed 1 --out-dir runs/pipeline_seed1
@@ -13,6 +14,8 @@ Each stage runs its script under torchrun with --out-dir DIR/<stage>, starting f
     grpo      fsdp2_grpo.py from sft's newest checkpoint, on problems with answers only (built-in: --reward exact-text)
     control   fsdp2_sft.py from sft's newest checkpoint, for as long as grpo took: the SFT continued on its own data at
               its final learning rate, the compute-matched baseline GRPO must beat
+    reference fsdp2_sft.py as the SFT, on the built-in set with every solve row worked (DIR/reference.jsonl): what
+              imitation reaches when told which mode to use (built-in SFT data only; skipped otherwise)
     eval      evaluate.py on each stage's newest checkpoint -> DIR/eval.jsonl (each row with its stage), plot.py ->
               DIR/pretrain.png, sft.png and grpo.png (beside the control), and DIR/report.md: the command, commit,
               date and torch version that made it, each stage's command (DIR/stages.json), the stage table with 95%
@@ -34,19 +37,22 @@ import numpy as np
 
 import checkpoints
 import common
+import tasks
 
 REPO = Path(__file__).resolve().parent
 
-STAGES = ["pretrain", "mid", "sft", "grpo", "control", "eval"]
+STAGES = ["pretrain", "mid", "sft", "grpo", "control", "reference", "eval"]
 SCRIPTS = {"pretrain": "fsdp2_pretrain.py", "mid": "fsdp2_pretrain.py", "sft": "fsdp2_sft.py", "grpo": "fsdp2_grpo.py",
-           "control": "fsdp2_sft.py"}
-SOURCES = {"mid": "pretrain", "sft": "mid", "grpo": "sft", "control": "sft"}  # the run each starts from
+           "control": "fsdp2_sft.py", "reference": "fsdp2_sft.py"}
+SOURCES = {"mid": "pretrain", "sft": "mid", "grpo": "sft", "control": "sft", "reference": "mid"}  # each starts from
 # Midtraining: pretraining text and the built-in conversations 70:30 (by tokens), from pretraining's weights, the LR
 # warmed up again, held, then decayed over its last fifth; (steps, warmup steps) per preset. The SFT replays
 # pretraining text, so as to keep its prose, and saves 4 times for the abilities figure (docs/pipeline.md, measured).
 MID_SCHEDULE = {"tiny": (20, 2), "small": (30, 3), "qwen2-0.5b": (1000, 50)}
 MID_TEXT_SHARE, SFT_REPLAY_SHARE = 0.7, 0.1
-IN_DISTRIBUTION, NEW_SHAPES = "arith_gen", ["arith_2op", "arith_4op", "arith_reworded"]  # GRPO trains on the latter
+# GRPO trains on the first task's lengths; the second's are longer; the third is the SFT's arithmetic. The first two
+# are also sampled 8 times per problem, after the SFT and after GRPO: pass@k and the share of replies worked.
+COMPARED, SAMPLED = ["solve", "solve_long", "arith_gen"], ["solve", "solve_long"]
 
 
 class StageFailed(common.ReportedError):
@@ -96,9 +102,10 @@ def provenance():
 
 
 def source_of(stage, args):
-    """The run a stage starts from: SOURCES', but the SFT starts from pretraining when there is no midtraining."""
+    """The run a stage starts from: SOURCES', but the SFT (and its reference) start from pretraining when there is no
+    midtraining."""
     mid_ran = "mid" in args.stages or (Path(args.out_dir) / "mid" / "checkpoints").is_dir()
-    return "pretrain" if stage == "sft" and not mid_ran else SOURCES.get(stage)
+    return "pretrain" if stage in ("sft", "reference") and not mid_ran else SOURCES.get(stage)
 
 
 def stage_flags(stage, args):
@@ -110,7 +117,7 @@ def stage_flags(stage, args):
         flags += ["--data", f"{args.pretrain_data}:{MID_TEXT_SHARE}", f"{common.CHAT_AS_TEXT}:{1 - MID_TEXT_SHARE:g}",
                   "--lr-schedule", "wsd", "--decay-fraction", "0.2", "--max-steps", str(steps), "--warmup-steps",
                   str(warmup), "--save-every", str(steps // 2), "--eval-every", str(steps // 4)]
-    if stage == "sft":  # (the control continues the SFT with its flags: control_flags)
+    if stage in ("sft", "reference"):  # (the control continues the SFT with its flags: control_flags)
         flags += ["--replay", f"{args.pretrain_data}:{SFT_REPLAY_SHARE}", "--save-every",
                   str(common.preset_defaults(args.model, "sft")["max_steps"] // 4)]
     return flags
@@ -121,7 +128,12 @@ def run_stage(stage, args, extra):
     pipeline."""
     out = Path(args.out_dir) / stage
     flags = ["--model", args.model, "--seed", str(args.seed), "--out-dir", str(out), *stage_flags(stage, args), *extra]
-    if stage != "mid":
+    if stage == "reference":  # the built-in SFT set, every solve row worked
+        out.parent.mkdir(parents=True, exist_ok=True)
+        (out.parent / "reference.jsonl").write_text("".join(json.dumps(record) + "\n" for record in
+                                                            tasks.builtin_sft_records(worked_share=1.0)))
+        flags += ["--data", str(out.parent / "reference.jsonl")]
+    elif stage != "mid":
         flags += ["--data", {"pretrain": args.pretrain_data, "grpo": args.rl_data}.get(stage, args.sft_data)]
     if source_of(stage, args):
         flags += ["--init-from", str(Path(args.out_dir) / source_of(stage, args))]
@@ -182,15 +194,20 @@ def evaluate_stages(out_dir, stages, args):
         for checkpoint_dir in found:
             newest = checkpoint_dir == found[-1]
             command = [str(checkpoint_dir), "--limit", str(args.eval_limit)]
+            commands = [command + ["--tasks", ",".join(task for task in evaluate.TASKS if task not in SAMPLED)],
+                        command + ["--tasks", ",".join(SAMPLED), "--samples", "8"]]
+            if not (newest and stage in ("sft", "grpo")):
+                commands = [command]
             if not newest:  # of the abilities the figure draws, those this model can do
                 chat = checkpoints.knows_chat_format(checkpoints.read_meta(checkpoint_dir, "checkpoint"))
-                command += ["--tasks", ",".join(task for task, _, _ in plot.ABILITIES
-                                                if chat or task not in evaluate.CHAT_TASKS)]
-            print(f"\n== eval: python evaluate.py {shlex.join(command)}", flush=True)
-            step = int(checkpoint_dir.name[5:])
-            rows += [{"stage": stage, "newest": newest, "stage_start": before,
-                      "tokens": before + int(run_tokens.get(step, 0)), **row}
-                     for row in evaluate.evaluate(evaluate.get_parser().parse_args(command))]
+                commands = [command + ["--tasks", ",".join(task for task, _, _ in plot.ABILITIES
+                                                           if chat or task not in evaluate.CHAT_TASKS)]]
+            for command in commands:
+                print(f"\n== eval: python evaluate.py {shlex.join(command)}", flush=True)
+                step = int(checkpoint_dir.name[5:])
+                rows += [{"stage": stage, "newest": newest, "stage_start": before,
+                          "tokens": before + int(run_tokens.get(step, 0)), **row}
+                         for row in evaluate.evaluate(evaluate.get_parser().parse_args(command))]
     return rows
 
 
@@ -204,11 +221,11 @@ def cell(row):
 
 
 def report(rows, stages, runs, now, out_dir):
-    """DIR/report.md: how it was made, each stage's command, the stage table with intervals, and GRPO's gains against
-    the SFT and the control."""
+    """DIR/report.md: how it was made, each stage's command, the stage table with intervals, GRPO's gains against the
+    SFT, the control and the reference, and the sampled replies before and after GRPO."""
     found = {(row["stage"], row["task"], row["metric"]): row for row in rows if row["newest"]}
-    tasks = [(task, metric) for task, metric in dict.fromkeys((row["task"], row["metric"]) for row in rows)
-             if metric in ("bpb", "accuracy")]
+    measured = [(task, metric) for task, metric in dict.fromkeys((row["task"], row["metric"]) for row in rows)
+                if metric in ("bpb", "accuracy", "worked")]
     lines = ["# Pipeline report", "", f"Written by `{now['pipeline']}` at commit {now['commit']}, {now['date']}, torch "
              f"{now['torch']}. Each stage ran as below (its every flag), under the `pipeline.py` command beside it, "
              f"which reproduces it:", "", "| stage | seconds | command | run by |", "| --- | --- | --- | --- |"]
@@ -218,18 +235,25 @@ def report(rows, stages, runs, now, out_dir):
               f"{', '.join(sorted({str(row['n']) for row in rows}))}).", "",
               "| task: metric | " + " | ".join(stages) + " |", "| --- |" + " --- |" * len(stages)]
     lines += [f"| `{task}`: {metric} | " + " | ".join(cell(found.get((stage, task, metric))) for stage in stages) + " |"
-              for task, metric in tasks]
-    compared = [IN_DISTRIBUTION, *NEW_SHAPES]
-    accuracy = {(stage, task): found.get((stage, task, "accuracy")) for stage in stages for task in compared}
-    if all(accuracy.get((stage, task)) for stage in ("sft", "grpo", "control") for task in compared):
-        lines += ["", "## GRPO against the SFT it starts from and the compute-matched control", "",
-                  "| task | SFT | GRPO | control | GRPO - SFT | GRPO above the control, intervals apart |",
-                  "| --- | --- | --- | --- | --- | --- |"]
-        for task in compared:
-            sft, grpo, control = (accuracy[stage, task] for stage in ("sft", "grpo", "control"))
+              for task, metric in measured]
+    accuracy = {(stage, task): found.get((stage, task, "accuracy")) for stage in stages for task in COMPARED}
+    if all(accuracy.get((stage, task)) for stage in ("sft", "grpo", "control") for task in COMPARED):
+        lines += ["", "## GRPO against the SFT it starts from, the compute-matched control and the reference", "",
+                  "| task | SFT | GRPO | control | reference | GRPO - SFT | GRPO above the control, intervals apart |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for task in COMPARED:
+            sft, grpo, control, reference = (accuracy.get((stage, task)) for stage in ("sft", "grpo", "control",
+                                                                                        "reference"))
             apart = grpo["ci_low"] > control["ci_high"]
-            lines.append(f"| `{task}` | {sft['value']:.1%} | {grpo['value']:.1%} | {control['value']:.1%} | "
+            lines.append(f"| `{task}` | {cell(sft)} | {cell(grpo)} | {cell(control)} | {cell(reference)} | "
                          f"{100 * (grpo['value'] - sft['value']):+.1f} points | {'yes' if apart else 'no'} |")
+    sampled = [(task, metric) for task, metric in dict.fromkeys((row["task"], row["metric"]) for row in rows)
+               if task in SAMPLED and (metric.startswith("pass@") or metric == "sampled_worked")]
+    if sampled:
+        lines += ["", "## Eight replies sampled per problem (temperature 1), after the SFT and after GRPO", "",
+                  "| task: metric | SFT | GRPO |", "| --- | --- | --- |"]
+        lines += [f"| `{task}`: {metric} | {cell(found.get(('sft', task, metric)))} | "
+                  f"{cell(found.get(('grpo', task, metric)))} |" for task, metric in sampled]
     path = out_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -241,6 +265,9 @@ def main():
     stage_runs_file = out_dir / "stages.json"  # each stage's command and seconds, kept across invocations
     stage_runs = json.loads(stage_runs_file.read_text()) if stage_runs_file.is_file() else {}
     for stage in [stage for stage in args.stages if stage in SCRIPTS]:
+        if stage == "reference" and args.sft_data != "builtin":
+            print("\n== reference: skipped (it is the built-in SFT set with every solve row worked)", flush=True)
+            continue
         seconds, command = run_stage(stage, args, extra)
         stage_runs[stage] = {"seconds": seconds, "command": command, **now}
         stage_runs_file.write_text(json.dumps(stage_runs, indent=2))
@@ -253,7 +280,7 @@ def main():
     (out_dir / "eval.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     import plot
 
-    plots = {"pretrain": ["pretrain", "mid"], "sft": ["sft"], "grpo": ["grpo", "control"]}  # GRPO beside its control
+    plots = {"pretrain": ["pretrain", "mid"], "sft": ["sft", "reference"], "grpo": ["grpo", "control"]}
     plots = {name: [out_dir / stage for stage in runs if stage in stages] for name, runs in plots.items()}
     for name, runs in plots.items():
         if runs:

@@ -240,7 +240,7 @@ def conversation_messages(row, data):
 
 def builtin_records(kind):
     """The built-in set of a kind of conversation data: "sft" reasoning conversations, "rl" answer-only problems."""
-    return tasks.builtin_reasoning_records() if kind == "sft" else tasks.builtin_rl_records()
+    return tasks.builtin_sft_records() if kind == "sft" else tasks.builtin_rl_records()
 
 
 def sft_conversations(args, kind="sft"):

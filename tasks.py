@@ -1,10 +1,10 @@
 """The built-in task families, each with its generator, its held-out problems and how a reply is read:
 
     arithmetic  chains of single-digit additions and subtractions, always worked step by step (the SFT set: chains
-                of three; the RL set and evaluate.py: chains of two and four, and other phrasings)
-    parity      the parity of a row of bits, answered in one of two modes: directly (the common mode, which a small
-                model cannot get right on long rows) or worked (the running parity bit by bit, the rare mode,
-                which it can); RL with a correctness reward can select the rare mode
+                of three; evaluate.py also asks chains of two and four, and other phrasings)
+    solve       chains of three the arithmetic set leaves out, asked "Solve 3 + 4 - 2." and answered in one of two
+                modes: directly (the common mode, which a small model mostly gets wrong) or worked as the arithmetic
+                set works its chains (the rare mode, which it gets right); RL with a correctness reward selects it
 
 Replies are read alike by the SFT's accuracy, GRPO's reward and evaluate.py: the text between the solution markers,
 or the final number."""
@@ -84,86 +84,57 @@ REPHRASINGS = ["What is {}?", "Calculate {}.", "Find the value of {}.", "{} = ?"
 HELD_OUT_SEED = 1000  # seeds evaluate.py's chains of two and four operations, which no training set holds
 
 
-def builtin_rl_records():
-    """Answer-only problems of shapes the built-in SFT set never shows, for fsdp2_grpo.py: chains of two and of four
-    operations, and chains of three (none of the SFT's 10,000) asked in other words. Each row is a prompt and its
-    answer in the solution's words ("The answer is 1."), no worked solution. evaluate.py's held-out problems of these
-    shapes are left out."""
-    held_out = {record["conversations"][0]["value"] for operations in (2, 4)
-                for record in builtin_reasoning_records(500, HELD_OUT_SEED, operations)}
-    records = [*builtin_reasoning_records(1089, seed=2000, operations=2),  # 1,089: 90% of the 1,210 there are
-               *builtin_reasoning_records(3000, seed=2000, operations=4)]
-    records = [record for record in records if record["conversations"][0]["value"] not in held_out]
-    sft_set = builtin_reasoning_records(11_979)  # its first 10,000 are the SFT's; the rest, what it never saw
-    questions = [record["conversations"][0]["value"] for record in records]
-    questions += [REPHRASINGS[i % len(REPHRASINGS)].format(record["conversations"][0]["value"][8:-1])
-                  for i, record in enumerate(sft_set[10_000:])]  # "Compute 3 + 4 - 2." -> "What is 3 + 4 - 2?"
-    replies = [record["conversations"][1]["value"] for record in [*records, *sft_set[10_000:]]]
-    answers = [reply.split("<|begin_of_solution|>")[1].split("<|end_of_solution|>")[0].strip() for reply in replies]
-    rows = [{"system": common.BUILTIN_SYSTEM_PROMPT, "prompt": question, "answer": answer}
-            for question, answer in zip(questions, answers)]
-    random.Random(0).shuffle(rows)  # the shapes mixed, so that a validation split holds each
-    return rows
-
-
 # ----------------------------------------------------------------------------------------------
-# Parity: two modes of answer.
+# Solve: chains of three the arithmetic set leaves out, asked in other words and answered in two modes.
 
-PARITY_LENGTHS = range(10, 17)  # bits per row in the training sets and the parity task
-PARITY_LONG_LENGTHS = range(20, 25)  # longer rows, in no training set: the parity_long task
-PARITY_HELD_OUT_SEED = 3000  # seeds the held-out rows of both tasks, which every training set leaves out
-PARITY_SFT_ROWS, PARITY_WORKED_SHARE = 4000, 0.1  # the built-in SFT set's parity rows, and the share worked
+UNSEEN_CHAINS = 1979  # the chains of three operations the arithmetic set leaves out: 11,979 (the 90% cap) - 10,000
+SOLVE_HELD_OUT, SOLVE_SFT_ROWS = 500, 1000  # of those: the solve task's, the SFT set's, and the rest the RL set's
+SOLVE_WORKED_SHARE = 0.15  # the share of the SFT set's solve rows that are worked (the rest answer at once)
 EMPTY_THOUGHT = "<|begin_of_thought|>\n\n<|end_of_thought|>\n\n"
 
 
-def parity_question(bits):
-    return f"What is the parity of {' '.join(map(str, bits))}?"
+def solve_question(record):
+    """An arithmetic record's question in the solve family's words: "Compute 3 + 4 - 2." -> "Solve 3 + 4 - 2."."""
+    return "Solve " + record["conversations"][0]["value"].removeprefix("Compute ")
 
 
-def parity_reply(bits, worked):
-    """The reply of either mode, ending in the same answer: the parity (1: an odd number of ones). Worked: the running
-    parity after each bit, one per bit, so that each step reads one bit and the step before it."""
-    running = [sum(bits[:i + 1]) % 2 for i in range(len(bits))]
-    thought = (f"<|begin_of_thought|>\n\nRunning: {' '.join(map(str, running))}\n\n<|end_of_thought|>\n\n" if worked
-               else EMPTY_THOUGHT)
-    return f"{thought}<|begin_of_solution|>\n\nThe answer is {running[-1]}.\n\n<|end_of_solution|>"
+def direct_reply(record):
+    """An arithmetic record's reply in the direct mode: the thought left empty, the same solution."""
+    reply = record["conversations"][1]["value"]
+    return EMPTY_THOUGHT + reply[reply.index("<|begin_of_solution|>"):]
 
 
-def parity_rows(n, seed, lengths=PARITY_LENGTHS, exclude=()):
-    """n distinct rows of bits, their lengths drawn evenly from `lengths`, none of them in `exclude`."""
-    rng, rows, seen = random.Random(seed), [], set(exclude)
-    while len(rows) < n:
-        bits = tuple(rng.randint(0, 1) for _ in range(rng.choice(lengths)))
-        if bits not in seen:
-            seen.add(bits)
-            rows.append(bits)
-    return rows
+def unseen_chains():
+    """The chains of three operations that no arithmetic row holds, in a fixed order."""
+    return builtin_reasoning_records(10_000 + UNSEEN_CHAINS)[10_000:]
 
 
-def parity_held_out(n=500, lengths=PARITY_LENGTHS):
-    """The held-out rows of the parity task (or, at PARITY_LONG_LENGTHS, of parity_long): in no training set."""
-    return parity_rows(n, PARITY_HELD_OUT_SEED + lengths[0], lengths)
+def solve_held_out(n=SOLVE_HELD_OUT, operations=3):
+    """The held-out problems of the solve task (chains of three), or of solve_long (of four: arith_4op's problems)."""
+    return unseen_chains()[:n] if operations == 3 else builtin_reasoning_records(n, HELD_OUT_SEED, operations)
 
 
-def parity_sft_rows(n=PARITY_SFT_ROWS):
-    return parity_rows(n, 0, exclude=parity_held_out())
-
-
-def parity_records(n=PARITY_SFT_ROWS, worked_share=PARITY_WORKED_SHARE):
-    """The parity rows of the SFT set, in the OpenThoughts format: a share `worked_share` of them worked, the rest
-    answered directly (which rows are worked: drawn at random, seeded)."""
+def solve_records(worked_share=SOLVE_WORKED_SHARE):
+    """The solve rows of the SFT set, in the OpenThoughts format: a share `worked_share` of them worked as the
+    arithmetic set works its own (which rows: drawn at random, seeded), the rest answered directly."""
     rng = random.Random(1)
     return [{"system": common.BUILTIN_SYSTEM_PROMPT, "conversations": [
-        {"from": "user", "value": parity_question(bits)},
-        {"from": "assistant", "value": parity_reply(bits, worked=rng.random() < worked_share)}]}
-        for bits in parity_sft_rows(n)]
+        {"from": "user", "value": solve_question(record)},
+        {"from": "assistant", "value": record["conversations"][1]["value"] if rng.random() < worked_share
+         else direct_reply(record)}]} for record in unseen_chains()[SOLVE_HELD_OUT:SOLVE_HELD_OUT + SOLVE_SFT_ROWS]]
 
 
-def parity_rl_rows(n, seed=4000):
-    """Answer-only parity problems for fsdp2_grpo.py ({prompt, answer}), none of them held out or in the SFT set."""
-    return [{"system": common.BUILTIN_SYSTEM_PROMPT, "prompt": parity_question(bits),
-             "answer": f"The answer is {sum(bits) % 2}."}
-            for bits in parity_rows(n, seed, exclude={*parity_held_out(), *parity_sft_rows()})]
+def builtin_sft_records(worked_share=SOLVE_WORKED_SHARE):
+    """The built-in SFT set: the arithmetic conversations (all worked), then the solve rows (a share worked). A fixed
+    order: the scripts' validation split is positions in it."""
+    return builtin_reasoning_records() + solve_records(worked_share)
+
+
+def builtin_rl_records():
+    """The built-in RL set: the solve family's questions that no other set holds, with their answers only."""
+    return [{"system": common.BUILTIN_SYSTEM_PROMPT, "prompt": solve_question(record),
+             "answer": direct_reply(record).split("<|begin_of_solution|>")[1].split("<|end_of_solution|>")[0].strip()}
+            for record in unseen_chains()[SOLVE_HELD_OUT + SOLVE_SFT_ROWS:]]
 
 
 def is_worked(tokenizer, token_ids):

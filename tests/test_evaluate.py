@@ -129,8 +129,8 @@ def test_arith_gen_equals_the_sft_scripts_val_accuracy(tiny_run, tmp_path):
     found = {(r["task"], r["metric"]): r for r in rows}
     assert found["arith_gen", "accuracy"]["value"] == val_accuracy
     assert {task for task, _ in found} == set(evaluate.TASKS)
-    for task in evaluate.CHAT_TASKS:  # the parity tasks also say how many replies were in the worked mode
-        worked = {"worked", "sampled_worked"} if task.startswith("parity") else set()
+    for task in evaluate.CHAT_TASKS:  # the solve tasks also say how many replies were in the worked mode
+        worked = {"worked", "sampled_worked"} if task.startswith("solve") else set()
         assert {metric for t, metric in found if t == task} == {"accuracy", "with_markers", "pass@1", "pass@2",
                                                                  "maj@2", *worked}
     assert {metric for t, metric in found if t != "prose_bpb" and t not in evaluate.CHAT_TASKS} == {"accuracy",

@@ -83,7 +83,7 @@ def test_autotokenizer_on_the_export_gives_the_training_ids(exported, script):
 
 def held_out_question():
     """A built-in problem of the SFT's validation split (the tiny run's --val-fraction), never trained on."""
-    records = tasks.builtin_reasoning_records()
+    records = tasks.builtin_sft_records()
     return records[data.validation_documents(len(records), 0.002)[0]]["conversations"][0]["value"]
 
 

@@ -4,7 +4,6 @@ resume it."""
 import argparse
 import json
 import re
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -29,20 +28,17 @@ def builtin_prompt_tokens():
                + 1 for row in tasks.builtin_rl_records())
 
 
-def test_the_builtin_rl_set_is_new_shapes_answered_right_and_none_of_evaluates_problems():
+def test_the_builtin_rl_set_is_solve_questions_answered_right_and_none_of_evaluates_problems():
     rows = tasks.builtin_rl_records()
-    sft = {record["conversations"][0]["value"] for record in tasks.builtin_reasoning_records()}
+    sft = {record["conversations"][0]["value"] for record in tasks.builtin_sft_records()}
     args = argparse.Namespace(limit=500, val_fraction=0.05)
     held_out = {question for task in evaluate.CHAT_TASKS for question, _, _ in evaluate.task_problems(task, args)}
     questions = [row["prompt"] for row in rows]
     assert len(set(questions)) == len(rows) and not set(questions) & (sft | held_out)
-    shapes = Counter()
     for row in rows:
-        expression = re.fullmatch(r"(?:Compute |What is |Calculate |Find the value of )?([\d +-]+?)(?:\.|\?| = \?)",
-                                  row["prompt"]).group(1)
+        expression = re.fullmatch(r"Solve ([\d +-]+)\.", row["prompt"]).group(1)
+        assert expression.count(" ") == 6  # three operations, as the SFT set's
         assert row["answer"] == f"The answer is {eval(expression)}." and set(row) == {"system", "prompt", "answer"}
-        shapes[f"{expression.count(' ') // 2} operations" if row["prompt"].startswith("Compute") else "reworded"] += 1
-    assert set(shapes) == {"2 operations", "4 operations", "reworded"} and min(shapes.values()) > 500, shapes
 
 
 def test_grpo_logs_its_rollouts_and_learns_nothing_it_should_not(tiny_run):

@@ -19,7 +19,8 @@ def test_the_pipeline_runs_its_stages_from_the_one_before_and_reports_them(tiny_
     out = tmp_path / "pipeline"
     for stage, script in [("pretrain", "fsdp2_pretrain.py"), ("sft", "fsdp2_sft.py")]:
         shutil.copytree(tiny_run(script)[0], out / stage)
-    flags = ["--model", "tiny", "--nproc", 1, "--seed", 3, "--out-dir", out, "--stages", "mid,grpo,control,eval",
+    flags = ["--model", "tiny", "--nproc", 1, "--seed", 3, "--out-dir", out, "--stages",
+             "mid,grpo,control,reference,eval",
              "--pretrain-data", TINY_CORPUS, "--cache-dir", TINY_CORPUS.parent / "cache", "--dtype", "fp32",
              "--max-steps", 4, "--eval-every", 4, "--save-every", 4, "--val-fraction", 0.002, "--eval-limit", 8]
     check(run_script("pipeline.py", *flags))
@@ -29,6 +30,11 @@ def test_the_pipeline_runs_its_stages_from_the_one_before_and_reports_them(tiny_
     # Midtraining: pretraining from the pretrain stage's weights, on its text and the built-in conversations 70:30.
     assert configs["mid"]["init_from"] == str(out / "pretrain") and configs["mid"]["lr_schedule"] == "wsd"
     assert configs["mid"]["data"] == [f"{TINY_CORPUS}:0.7", "builtin-chat:0.3"]
+    # The reference: the SFT from midtraining's weights, on the built-in set with every solve row worked.
+    assert configs["reference"]["init_from"] == str(out / "mid")
+    reference_rows = [json.loads(line) for line in (out / "reference.jsonl").read_text().splitlines()]
+    assert configs["reference"]["data"] == str(out / "reference.jsonl") and len(reference_rows) == 11_000
+    assert all("First, " in row["conversations"][1]["value"] for row in reference_rows)
     # The control: as many steps as GRPO's time holds at the SFT's pace, at the SFT's final rate, held.
     sft_rows = list(read_metrics(out / "sft")[0].values())
     grpo_time = max(row["elapsed_s"] for row in read_metrics(out / "grpo")[0].values())
@@ -45,11 +51,15 @@ def test_the_pipeline_runs_its_stages_from_the_one_before_and_reports_them(tiny_
     rows = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
     tasks = {stage: {row["task"] for row in rows if row["stage"] == stage} for stage in pipeline.SCRIPTS}
     assert tasks["pretrain"] == {"prose_bpb", "arith_choice"}
-    assert all(tasks[stage] >= {"arith_gen", *pipeline.NEW_SHAPES} for stage in ("sft", "grpo", "control"))
+    assert all(tasks[stage] >= set(pipeline.COMPARED) for stage in ("sft", "grpo", "control", "reference"))
+    sampled = {(row["stage"], row["task"]) for row in rows if row["metric"] == "pass@8"}
+    assert sampled == {(stage, task) for stage in ("sft", "grpo") for task in pipeline.SAMPLED}
     assert all(row["ci_low"] <= row["value"] <= row["ci_high"] and row["step"] for row in rows)
-    assert {row["n"] for row in rows if row["task"] != "prose_bpb"} == {8}  # --eval-limit reached evaluate.py
+    assert {row["n"] for row in rows if row["task"] != "prose_bpb" and row["metric"] != "sampled_worked"} == {8}
+    assert {row["n"] for row in rows if row["metric"] == "sampled_worked"} == {8 * 8}  # --eval-limit reached it
     report = (out / "report.md").read_text()
-    assert "| task: metric | pretrain | mid | sft | grpo | control |" in report and "GRPO - SFT" in report
+    assert "| task: metric | pretrain | mid | sft | grpo | control | reference |" in report and "GRPO - SFT" in report
+    assert "| `solve`: pass@8 |" in report
     # Every checkpoint evaluated, at the tokens of all stages so far: each run's own, after its source's.
     assert sum(row["newest"] for row in rows if row["task"] == "prose_bpb" and row["stage"] == "pretrain") == 1
     assert len({row["step"] for row in rows if row["stage"] == "pretrain"}) == 2  # steps 10 and 20
@@ -62,7 +72,8 @@ def test_the_pipeline_runs_its_stages_from_the_one_before_and_reports_them(tiny_
     assert header in report and datetime.date.today().isoformat() in report
     assert f"torch {importlib.metadata.version('torch')}" in report
     runs = json.loads((out / "stages.json").read_text())
-    assert sorted(runs) == ["control", "grpo", "mid"] and all(f"`{run['command']}`" in report for run in runs.values())
+    assert sorted(runs) == ["control", "grpo", "mid", "reference"]
+    assert all(f"`{run['command']}`" in report for run in runs.values())
     assert runs["grpo"]["command"].startswith("torchrun --standalone --nproc_per_node=1 fsdp2_grpo.py --model tiny")
     assert "--dtype fp32" in runs["grpo"]["command"] and "--init-from" in runs["control"]["command"]
     grpo = next(row for row in rows if (row["stage"], row["task"], row["metric"]) == ("grpo", "arith_gen", "accuracy"))

@@ -101,7 +101,7 @@ def read_meta(checkpoint_dir, flag):
 
 # Scripts whose checkpoints are one format (DCP; model and optimizer saved apart, keyed by the model's own names; the
 # same data order): each resumes, or starts from, the other's, and DCP reshards it to its own mesh.
-SAME_FORMAT = [{"fsdp2_pretrain", "fsdp2_tp_pretrain", "pp_pretrain"}]
+SAME_FORMAT = [{"fsdp2_pretrain", "fsdp2_tp_pretrain", "fsdp2_cp_pretrain", "pp_pretrain"}]
 
 
 def same_format(script, other):

@@ -15,18 +15,21 @@ class Qwen2WithChunkedLoss(Qwen2ForCausalLM):
 
         model(input_ids=..., targets=...)                    the sum of -log p(target) over the targets
         model(input_ids=..., targets=..., reduction="none")  -log p(target) of each target, in row-major order
+        model(input_ids=..., targets=..., position_ids=...)  tokens at the positions given (a piece of each sequence)
         model(input_ids=...)                                 transformers' own forward: logits (generate() uses it)
 
     The loss is computed inside forward so that FSDP's and DDP's hooks around model(...) cover the head as well."""
 
-    def forward(self, input_ids=None, targets=None, reduction="sum", labels=None, logits_to_keep=0, **kwargs):
+    def forward(self, input_ids=None, targets=None, reduction="sum", position_ids=None, labels=None, logits_to_keep=0,
+                **kwargs):
         if targets is None:  # labels=: transformers' own loss (full logits), as Trainer and TRL call it
-            return super().forward(input_ids=input_ids, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
+            return super().forward(input_ids=input_ids, position_ids=position_ids, labels=labels,
+                                   logits_to_keep=logits_to_keep, **kwargs)
         extra = ["labels"] * (labels is not None) + list(kwargs)  # nothing else may be dropped silently
         if reduction not in ("sum", "none") or extra:
-            raise ValueError(f"forward with targets takes input_ids and reduction ('sum' or 'none') only, got "
-                             f"reduction={reduction!r} and {extra}")
-        hidden = self.model(input_ids=input_ids).last_hidden_state
+            raise ValueError(f"forward with targets takes input_ids, position_ids and reduction ('sum' or 'none') "
+                             f"only, got reduction={reduction!r} and {extra}")
+        hidden = self.model(input_ids=input_ids, position_ids=position_ids).last_hidden_state
         if reduction == "none":
             return chunked_token_losses(hidden, self.lm_head.weight, targets)
         return chunked_cross_entropy(hidden, self.lm_head.weight, targets)

@@ -13,9 +13,11 @@ from helpers import EXTRA_FLAGS, SFT_DATA, TINY_RUN, check, run_script, write_ti
 write_tiny_corpus()  # before any test reads TINY_RUN's --data
 
 
-# tests/tp_probe.py records the first layer's shards and collectives; tests/pp_probe.py the tied weight's copies.
+# tests/tp_probe.py records the first layer's shards and collectives; tests/pp_probe.py the tied weight's copies;
+# tests/cp_probe.py tests the CP attention against one process's.
 PROBES = {"fsdp2_tp_pretrain.py": ("tests/tp_probe.py", "TP_PROBE"),
-          "pp_pretrain.py": ("tests/pp_probe.py", "PP_PROBE")}
+          "pp_pretrain.py": ("tests/pp_probe.py", "PP_PROBE"),
+          "fsdp2_cp_pretrain.py": ("tests/cp_probe.py", "CP_PROBE")}
 
 
 @pytest.fixture(scope="session")

@@ -17,9 +17,11 @@ TINY_RUN = ["--model", "tiny", "--data", TINY_CORPUS, "--cache-dir", TINY_CORPUS
             "--save-every", 10, "--eval-every", 10, "--dtype", "fp32", "--val-fraction", 0.002]
 
 SFT_DATA = ["--data", "builtin"]  # after TINY_RUN's flags: the SFT trains on the built-in reasoning set
-# The shared run's own flags, after TINY_RUN's: two micro-batches, so that tensor parallelism (dp 1) and a pipeline of
-# two stages (which 1F1B fills with two micro-batches at least) both compare with DDP on one process, --grad-accum 2.
-EXTRA_FLAGS = {"fsdp2_tp_pretrain.py": ["--grad-accum", 2], "pp_pretrain.py": ["--grad-accum", 2]}
+# The shared run's own flags, after TINY_RUN's: two micro-batches, so that tensor and context parallelism (dp 1) and
+# a pipeline of two stages (which 1F1B fills with two micro-batches at least) compare with DDP on one process,
+# --grad-accum 2.
+EXTRA_FLAGS = {"fsdp2_tp_pretrain.py": ["--grad-accum", 2], "pp_pretrain.py": ["--grad-accum", 2],
+               "fsdp2_cp_pretrain.py": ["--grad-accum", 2]}
 
 
 def write_tiny_corpus():
@@ -146,3 +148,34 @@ def assert_same_weights_and_moments(checkpoint_dir, expected_dir, tmp_path):
     assert expected.keys() == actual.keys()
     for name in expected:
         torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+class ReachedACollective(Exception):
+    """Raised where the script would start its process group: no bad input may get that far."""
+
+
+def run_until_the_first_collective(script, flags, world_size, monkeypatch):
+    """The script's code in this process, as rank 0 of world_size, until it would start its process group
+    (common.init_process_group raises ReachedACollective instead); returns (exit code, what it printed to stderr)."""
+    import contextlib
+    import io
+    import runpy
+
+    import common
+
+    def stop(device):
+        raise ReachedACollective(script)
+
+    monkeypatch.setattr(common, "init_process_group", stop)
+    monkeypatch.setattr(sys, "argv", [script, *flags])
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size)}.items():
+        monkeypatch.setenv(name, value)
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            runpy.run_path(str(REPO / script), run_name="__main__")
+    except common.ReportedError as error:  # what sys.excepthook prints and exits with, as the command line shows
+        return error.exit_status, f"error: {error}\n"
+    except SystemExit as exit:  # argparse
+        return exit.code, stderr.getvalue()
+    raise AssertionError(f"{script} {flags}: no error before its first collective")

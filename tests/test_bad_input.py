@@ -5,12 +5,8 @@ as it was. docs/errors.md lists the same table.
 Each case runs the script's own code in this process, up to its first collective (common.init_process_group, which
 here stops the run instead): the imports are already made, so a case takes a fraction of a second instead of a
 process start. A few cases (COMMAND_LINE) also run as a user runs them, to see the one line a terminal shows."""
-import contextlib
-import io
 import json
-import runpy
 import shutil
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -19,7 +15,15 @@ import checkpoints
 import common
 import data
 import prepare_data
-from helpers import REPO, SFT_DATA, TINY_RUN, copy_checkpoint, run_script, traceback_through_our_code, tree_hashes
+from helpers import (
+    SFT_DATA,
+    TINY_RUN,
+    copy_checkpoint,
+    run_script,
+    run_until_the_first_collective,
+    traceback_through_our_code,
+    tree_hashes,
+)
 
 SFT_INIT = ["--init-from", "{tmp}/fsdp2"]  # a valid pretrained checkpoint, so the SFT gets as far as its data
 BAD_INPUTS = {  # case: (script, flags, ranks, words the error line must hold: the flag first)
@@ -186,36 +190,12 @@ COMMAND_LINE = ["step count that is not a number", "data path that does not exis
                 "GRPO data with no reference answers"]  # TP's and PP's: argparse-free usage errors, as the others
 
 
-class ReachedACollective(Exception):
-    """Raised where the script would start its process group: no bad input may get that far."""
-
-
 def flags_of(case, files, tmp):
     script, flags, nproc, _ = BAD_INPUTS[case]
     flags = [str(f).replace("{tmp}", str(files)) for f in flags]
     if "--out-dir" not in flags:
         flags += ["--out-dir", str(tmp / "run")]
     return [*flags, "--cache-dir", str(tmp / "cache")]
-
-
-def run_until_the_first_collective(script, flags, world_size, monkeypatch):
-    """The script's code in this process, as rank 0 of world_size; returns (exit code, what it printed to stderr)."""
-    def stop(device):
-        raise ReachedACollective(script)
-
-    monkeypatch.setattr(common, "init_process_group", stop)
-    monkeypatch.setattr(sys, "argv", [script, *flags])
-    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size)}.items():
-        monkeypatch.setenv(name, value)
-    stderr = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(stderr):
-            runpy.run_path(str(REPO / script), run_name="__main__")
-    except common.ReportedError as error:  # what sys.excepthook prints and exits with, as the command line shows
-        return error.exit_status, f"error: {error}\n"
-    except SystemExit as exit:  # argparse
-        return exit.code, stderr.getvalue()
-    raise AssertionError(f"{script} {flags}: no error before its first collective")
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS)

@@ -10,7 +10,8 @@ import common
 from helpers import check, run_script
 
 STAGES = {"ddp_pretrain.py": "train", "fsdp1_pretrain.py": "train", "fsdp2_pretrain.py": "train",
-          "fsdp2_tp_pretrain.py": "train", "pp_pretrain.py": "train", "fsdp2_sft.py": "sft", "fsdp2_grpo.py": "grpo"}
+          "fsdp2_tp_pretrain.py": "train", "fsdp2_cp_pretrain.py": "train", "pp_pretrain.py": "train",
+          "fsdp2_sft.py": "sft", "fsdp2_grpo.py": "grpo"}
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +56,8 @@ def test_help_shows_every_flags_default_and_keeps_the_commands_lines(script, hel
         assert "(default: True)" in blocks["--reshard-after-forward"]
     if script == "fsdp2_tp_pretrain.py":
         assert "(default: 2)" in blocks["--tp"]
+    if script == "fsdp2_cp_pretrain.py":
+        assert "(default: 2)" in blocks["--cp"]
     if script == "pp_pretrain.py":  # a pipeline wants micro-batches: the script's own default
         assert "(default: the world size)" in blocks["--pp"] and "(default: 4)" in blocks["--grad-accum"]
         assert "(default: 1f1b)" in blocks["--pp-schedule"]

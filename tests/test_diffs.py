@@ -18,6 +18,9 @@ DIFFS = {
     ("fsdp2_pretrain.py", "fsdp2_tp_pretrain.py"):  # the 2D mesh: the tp plan, dp ranks reading, the norm's two meshes
         {"preamble": 8, "setup": 14, "data": 2, "distributed": 4, "model": 7, "tensor parallel": 15, "wrap": 6,
          "resume": 2, "evaluation": 4, "training loop": 21},
+    ("fsdp2_pretrain.py", "fsdp2_cp_pretrain.py"):  # the 2D mesh: the zigzag split, its attention, dp ranks reading
+        {"preamble": 8, "setup": 13, "data": 2, "distributed": 4, "model": 7, "context parallel": 47, "wrap": 1,
+         "resume": 2, "evaluation": 7, "training loop": 10},
     ("ddp_pretrain.py", "pp_pretrain.py"):  # the stage module, its schedule per bucket, the tied weight's two copies
         {"preamble": 11, "setup": 15, "data": 2, "distributed": 5, "model": 30, "wrap": 3, "checkpoint": 28,
          "resume": 2, "pipeline": 21, "evaluation": 7, "training loop": 26},

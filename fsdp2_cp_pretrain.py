@@ -1,0 +1,322 @@
+"""Pretrain a Qwen2-architecture LM on a 2D mesh: context parallelism (each sequence split over ranks) x FSDP2.
+
+    torchrun --standalone --nproc_per_node=2 fsdp2_cp_pretrain.py             # default: small model, builtin data
+    torchrun --standalone --nproc_per_node=8 fsdp2_cp_pretrain.py --model qwen2-0.5b --data data/fineweb-edu
+
+data/fineweb-edu is FineWeb-Edu's 10B-token sample, tokenized once by prepare_data.py (its docstring says how).
+"""
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import transformers
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils.tensorboard import SummaryWriter
+from tqdm import tqdm
+
+import checkpoints
+import common
+import data
+import metrics
+import modeling
+
+SCRIPT = Path(__file__).stem  # names the run folder and is recorded in every checkpoint
+
+# ---------------------------------------------------------------------------------------------- setup
+rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+local_rank = int(os.environ.get("LOCAL_RANK", 0))
+parser = common.get_parser(__doc__, f"runs/{SCRIPT}")
+parser.add_argument("--reshard-after-forward", type=common.boolean, default=True, help="true: a layer's gathered "
+                    "parameters are freed after forward, gathered again in backward (ZeRO-3); false: kept (ZeRO-2)")
+parser.add_argument("--cp", type=common.COUNT, default=2, help="context-parallel degree: the ranks that split each "
+                    "sequence; the world size / cp replicas (dp) read different samples")
+args = parser.parse_args()
+if world_size % args.cp:
+    raise common.UsageError(f"--cp {args.cp} does not divide the world size {world_size}: choose a --cp that does")
+if any(bucket_len % (2 * args.cp) for bucket_len in args.buckets):  # each sequence is cut into 2 x cp equal chunks
+    raise common.UsageError(f"--buckets {','.join(map(str, args.buckets))}: every bucket length must be a multiple of "
+                            f"2 x --cp = {2 * args.cp}: change --buckets or --cp")
+if args.compile:  # untried: dynamo would have to trace the collectives inside every layer's attention
+    raise common.UsageError("--compile: this script runs its context-parallel attention eager; drop --compile")
+dp_size = world_size // args.cp
+args = common.finalize_args(args, dp_size)
+device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+checkpoint_root = Path(args.out_dir) / "checkpoints"
+resume_dir = checkpoints.find_resume_checkpoint(args, checkpoint_root, SCRIPT)
+init_dir = None if resume_dir or not args.init_from else checkpoints.find_init_checkpoint(args)  # weights only
+
+# ---------------------------------------------------------------------------------------------- data
+tokenizer = common.get_tokenizer()
+# Splits: each sample's start, length and target count, as arrays over the memory-mapped tokens.
+train, val = data.load_pretraining_data(args, tokenizer)
+data_order = data.data_order(args, train, val, dp_size)  # what the sample order depends on (checked: enough samples)
+checkpoints.check_resume(resume_dir, args, data_order)  # --resume: the same data order; says which other flags changed
+
+# ---------------------------------------------------------------------------------------------- distributed
+# Every input check is behind us: from here on the ranks talk to each other.
+if rank == 0:
+    checkpoints.remove_incomplete_checkpoints(checkpoint_root)  # what a crashed run left half-written
+common.init_process_group(device)
+if device.type == "cuda":
+    torch.cuda.set_device(device)
+# Rows are replicas, reading different samples; columns split each sequence. A cp group's ranks are neighbours, so on a
+# node its all-gathers, one per layer and pass, run over the fastest links.
+mesh = init_device_mesh(device.type, (dp_size, args.cp), mesh_dim_names=("dp", "cp"))
+dp_rank, cp_rank, cp_group = mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank(), mesh["cp"].get_group()
+
+# ---------------------------------------------------------------------------------------------- model
+torch.manual_seed(args.seed)  # the same init on every rank, and in every script
+model = modeling.build_model(args.model, args.activation_checkpointing)
+if init_dir is not None:  # midtraining: the weights of any checkpoint or export, read whole; the rest starts fresh
+    model.load_state_dict(checkpoints.load_checkpoint_model(init_dir)[0].state_dict())
+n_params, model_config = modeling.count_parameters(model), model.config
+if rank == 0:
+    common.write_config(args, SCRIPT, world_size, device, dtype, n_params, dp_size)  # the start block, config.json
+
+# ---------------------------------------------------------------------------------------------- context parallel
+# A cp group cuts each sequence into 2 x cp chunks; rank r takes chunks r and 2cp-1-r (ring-flash-attention's zigzag).
+# Under the causal mask chunk i attends to i + 1 chunks, so every rank gets the same share of the triangle (Llama 3,
+# section 3.3.2); cut into cp pieces, the last rank would attend to cp times the keys of the first, and the first wait.
+def zigzag_split(tensor, rank):
+    """Cp rank RANK's share of the last dimension (the sequence): chunks rank and 2cp-1-rank of 2 x cp, in order."""
+    chunks = tensor.chunk(2 * args.cp, dim=-1)
+    return torch.cat([chunks[rank], chunks[2 * args.cp - 1 - rank]], dim=-1)
+
+
+class GatherSequence(torch.autograd.Function):
+    """The cp ranks' pieces of a tensor, concatenated along the sequence (dim -2) in rank order, on every cp rank.
+    Backward: every rank's queries gave a gradient to every key and value; summed over the group, each keeps its own."""
+
+    @staticmethod
+    def forward(ctx, piece):
+        pieces = [torch.empty_like(piece) for _ in range(args.cp)]
+        dist.all_gather(pieces, piece.contiguous(), group=cp_group)
+        return torch.cat(pieces, dim=-2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone(memory_format=torch.contiguous_format)  # all_reduce works in place: not on autograd's buffer
+        dist.all_reduce(grad, group=cp_group)  # gloo has no reduce-scatter: the sum everywhere, then this rank's slice
+        return grad.chunk(args.cp, dim=-2)[cp_rank]
+
+
+def context_parallel_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                               position_ids=None, **kwargs):
+    """transformers' attention interface, as sdpa_attention_forward: this rank's queries [batch, heads, its positions,
+    head dim] attend to the keys and values of the whole sequence; returns [batch, positions, heads, head dim], None."""
+    # All-gather, Llama 3's choice over ring attention: with 2 KV heads (qwen2-0.5b: 14 query heads) it moves little.
+    key_value = GatherSequence.apply(torch.stack([key, value]))  # [2, batch, KV heads, whole sequence, head dim]
+    key, value = key_value.repeat_interleave(module.num_key_value_groups, dim=2)  # each KV head serves its query heads
+    # attention_mask is None: transformers makes masks for its own implementations only. Ours, by global positions:
+    key_positions = torch.cat([zigzag_split(torch.arange(key.shape[-2], device=key.device), r) for r in range(args.cp)])
+    causal = position_ids[0, :, None] >= key_positions  # [this rank's positions, the whole sequence in gathered order]
+    output = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=causal, dropout_p=dropout,
+                                                              scale=scaling)
+    return output.transpose(1, 2), None
+
+
+# No patch: the model class stays transformers' own, and its attention layers look this function up by name.
+# torch's experimental context_parallel() (CUDA) instead swaps SDPA for ring attention inside a context manager; it has
+# no sharding rule for CPU's SDPA kernel (aten._scaled_dot_product_flash_attention_for_cpu), so it cannot run on gloo.
+transformers.AttentionInterface.register("context_parallel", context_parallel_attention)
+model.config._attn_implementation = "context_parallel"
+
+# ---------------------------------------------------------------------------------------------- wrap
+# bf16: compute on bf16 copies of the gathered parameters; reduce gradients and keep the shards in fp32.
+mixed_precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+for layer in model.model.layers:  # one unit per decoder layer: only one layer is ever gathered at a time
+    fully_shard(layer, mp_policy=mixed_precision, reshard_after_forward=args.reshard_after_forward)
+fully_shard(model, mp_policy=mixed_precision)  # the root: embedding, tied head, final norm; default mesh: all ranks
+# Over all ranks, cp's too: they hold the same weights, and their gradients (each its own tokens') add up as replicas'.
+
+# ---------------------------------------------------------------------------------------------- optimizer
+# Matrices decay; biases and norm gains do not. Decided by name: under FSDP1 every parameter is a flat 1-D shard.
+decay = [p for name, p in model.named_parameters() if not (name.endswith("bias") or "norm" in name)]
+no_decay = [p for name, p in model.named_parameters() if name.endswith("bias") or "norm" in name]
+groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+
+
+# ---------------------------------------------------------------------------------------------- checkpoint
+def save_checkpoint(step, data_position):
+    """Every rank writes its own shards with DCP into a partial folder that is renamed once complete."""
+    partial_dir = checkpoint_root / f".partial_step_{step}"
+    if rank == 0:
+        shutil.rmtree(partial_dir, ignore_errors=True)
+        partial_dir.mkdir(parents=True)
+        torch.save({"step": step, "data_position": data_position, "rng": torch.get_rng_state()},
+                   partial_dir / "train_state.pt")  # one copy: ranks seed alike
+    dist.barrier()  # the folder exists before anyone writes into it
+    dcp.save(get_model_state_dict(model), checkpoint_id=partial_dir / "model")  # DTensor shards, named as in the model
+    dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=partial_dir / "optimizer")  # keyed by name too
+    if rank == 0:
+        checkpoints.commit_checkpoint(partial_dir, args, SCRIPT, step, world_size, data_order)
+    dist.barrier()  # nobody runs ahead (or exits) before the checkpoint is committed
+
+
+def load_checkpoint(checkpoint_dir):
+    """DCP loads in place into state dicts shaped for THIS world size (so it reshards), then we set them."""
+    # get_optimizer_state_dict first gives a fresh AdamW its moments: dcp.load(optimizer.state_dict()) would load none.
+    model_state, optimizer_state = get_model_state_dict(model), get_optimizer_state_dict(model, optimizer)
+    dcp.load(model_state, checkpoint_id=checkpoint_dir / "model")
+    dcp.load(optimizer_state, checkpoint_id=checkpoint_dir / "optimizer")
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+    train_state = torch.load(checkpoint_dir / "train_state.pt", map_location="cpu", weights_only=True)
+    torch.set_rng_state(train_state["rng"])
+    return train_state["step"], train_state["data_position"]
+
+
+# ---------------------------------------------------------------------------------------------- resume
+step, data_position = 0, {"epoch": 0, "index": 0}
+if resume_dir is not None:
+    step, data_position = load_checkpoint(resume_dir)
+    optimizer.param_groups[0]["weight_decay"] = args.weight_decay  # the load restored the checkpoint's: this run's wins
+    if rank == 0:
+        print(f"resumed from {resume_dir} at step {step}")
+
+
+def make_schedule(split, epoch, grad_accum, order):  # a mixture's epoch: each source its share of the tokens
+    return data.epoch_schedule(split.lengths, args.buckets, args.tokens_per_batch, dp_size, grad_accum, args.seed,
+                               epoch, order, data.epoch_samples(split, args.seed, epoch))
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+val_schedules = {name: make_schedule(split, 0, 1, "ascending") for name, split in val.items()}
+
+
+@torch.no_grad()
+def evaluate():
+    """Loss over each source's validation split (summed over all its tokens on all ranks, then divided once), and over
+    them all (val_loss: their token-weighted mean)."""
+    model.eval()
+    loss_sums = torch.zeros(len(val), device=device)
+    for i, (name, schedule) in enumerate(val_schedules.items()):
+        for bucket_len, samples in schedule:
+            batch_size = data.bucket_batch_size(args.tokens_per_batch, bucket_len)
+            input_ids, targets = data.collate(val[name], samples[dp_rank::dp_size], bucket_len, batch_size)
+            input_ids, targets = zigzag_split(input_ids, cp_rank), zigzag_split(targets, cp_rank)
+            positions = zigzag_split(torch.arange(bucket_len), cp_rank)  # each token's true position in its sequence
+            loss_sums[i] += model(input_ids=input_ids.to(device), targets=targets.to(device),
+                                  position_ids=positions[None].to(device))  # summed over this rank's targets
+    dist.all_reduce(loss_sums)
+    model.train()
+    target_counts = [sum(split.target_counts) for split in val.values()]
+    return {"val_loss": loss_sums.sum().item() / sum(target_counts),
+            **{f"val_loss/{name}": loss / count for name, loss, count in zip(val, loss_sums.tolist(), target_counts)}}
+
+
+# ---------------------------------------------------------------------------------------------- training loop
+Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+if rank == 0:
+    metrics_file = metrics.open_metrics(Path(args.out_dir) / "metrics.jsonl", step if resume_dir else None)
+    # On resume, TensorBoard drops a crashed run's points after the checkpoint's step.
+    writer = SummaryWriter(Path(args.out_dir) / "tensorboard", purge_step=step + 1 if resume_dir else None)
+    progress = tqdm(total=args.max_steps, initial=step, desc=SCRIPT, dynamic_ncols=True)
+
+
+def log(row):
+    if rank == 0:
+        metrics_file.write(json.dumps(row) + "\n")
+        metrics_file.flush()
+        for name, value in row.items():
+            if name != "step" and value is not None:
+                writer.add_scalar(name, value, row["step"])
+
+
+peak_flops = metrics.device_peak_flops(device)
+schedule = make_schedule(train, data_position["epoch"], args.grad_accum, args.bucket_order)
+start_time, total_tokens, total_padded, run_peak_mem_gb = time.perf_counter(), 0, 0, 0.0
+validation = evaluate() if step == 0 else {}
+if step == 0:
+    log({"step": 0, **validation})
+model.train()
+while step < args.max_steps:
+    if data_position["index"] >= len(schedule):  # epoch done: the next one reshuffles, as a function of (seed, epoch)
+        data_position = {"epoch": data_position["epoch"] + 1, "index": 0}
+        schedule = make_schedule(train, data_position["epoch"], args.grad_accum, args.bucket_order)
+    bucket_len, step_samples = schedule[data_position["index"]]  # the step's samples, all ranks' and micro-batches'
+    data_position = {**data_position, "index": data_position["index"] + 1}
+    batch_size = data.bucket_batch_size(args.tokens_per_batch, bucket_len)
+    tokens = int(train.lengths[step_samples].sum())
+    target_tokens = int(train.target_counts[step_samples].sum())  # positions with a loss, all ranks
+    metrics.reset_peak_memory(device)  # each row's peak is its own step's, so per bucket
+    step_start = time.perf_counter()
+
+    loss_sum = torch.zeros((), device=device)
+    for micro in range(args.grad_accum):
+        # Dealt round-robin, so that a bucket's short last step spreads evenly over the ranks.
+        sample_ids = step_samples[micro * dp_size + dp_rank::dp_size * args.grad_accum]
+        input_ids, targets = data.collate(train, sample_ids, bucket_len, batch_size)
+        # The targets are already shifted (position t's is token t+1), so a rank's piece scores its own predictions.
+        input_ids, targets = zigzag_split(input_ids, cp_rank), zigzag_split(targets, cp_rank)
+        positions = zigzag_split(torch.arange(bucket_len), cp_rank)
+        # Divide by the target tokens of the WHOLE step (all ranks, all micro-batches), not by this batch's:
+        # a long sample then weighs as much as it would in one big batch. The gradient sync averages over
+        # ranks, so we multiply by world_size to turn that average back into the sum.
+        model.set_requires_gradient_sync(micro == args.grad_accum - 1)  # FSDP2's switch for no_sync()
+        # The summed loss; logits only at target positions, a chunk at a time (modeling.Qwen2WithChunkedLoss).
+        micro_loss_sum = model(input_ids=input_ids.to(device), targets=targets.to(device),
+                               position_ids=positions[None].to(device))  # rotary: each token at its true position
+        (micro_loss_sum * world_size / target_tokens).backward()
+        loss_sum += micro_loss_sum.detach()
+    # The norm by hand, then the library clips with it: on CPU, torch's fp32 vector_norm (inside clip_grad_norm_)
+    # drifts by ~1e-4 on large tensors (pytorch#169237), while a sum of squares is exact to ~1e-7.
+    grad_norm = torch.stack([p.grad.square().sum() for p in model.parameters()]).sum().sqrt().full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.grad_clip or float("inf"), grad_norm)
+    dist.all_reduce(loss_sum)  # for the log and the check: the gradients were already exact
+    loss = loss_sum.item() / target_tokens
+    metrics.stop_if_nonfinite(step + 1, loss, grad_norm.item())  # global values: all ranks stop alike, before updating
+    lr = common.learning_rate(step, args)  # from the step and this run's flags: a resumed run follows a new --lr
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    step += 1
+
+    step_time = time.perf_counter() - step_start
+    step_peak_mem_gb = metrics.peak_memory_gb(device)
+    run_peak_mem_gb = max(run_peak_mem_gb, step_peak_mem_gb)
+    padded_tokens = dp_size * args.grad_accum * batch_size * bucket_len
+    total_tokens, total_padded = total_tokens + tokens, total_padded + padded_tokens
+    flops = modeling.flops_per_token(n_params, model_config, bucket_len) * tokens
+    mfu = flops / step_time / (peak_flops * world_size) if peak_flops else None  # None where the peak is unknown (CPUs)
+    if step % args.log_every == 0 or step == args.max_steps:
+        log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(), "tokens": tokens,
+             "padded_tokens": padded_tokens, "target_tokens": target_tokens, "bucket_len": bucket_len,
+             "batch_size": batch_size, "tokens_per_s": tokens / step_time,
+             "mfu": mfu, "peak_mem_gb": step_peak_mem_gb, "peak_reserved_gb": metrics.peak_reserved_memory_gb(device),
+             "elapsed_s": time.perf_counter() - start_time})
+    if step % args.eval_every == 0 or step == args.max_steps:
+        validation = evaluate()
+        log({"step": step, **validation})
+    if step % args.save_every == 0 or step == args.max_steps:
+        save_checkpoint(step, data_position)
+    if rank == 0:
+        progress.update(1)
+        progress.set_postfix({"loss": f"{loss:.3f}", "tok/s": f"{tokens / step_time:,.0f}",
+                              **({"mfu": f"{mfu:.1%}"} if mfu else {}), "mem": f"{step_peak_mem_gb:.2f}GB",
+                              "bucket": bucket_len})
+
+# ---------------------------------------------------------------------------------------------- end
+if rank == 0:
+    progress.close()
+    writer.close()
+    metrics_file.close()
+    elapsed = time.perf_counter() - start_time
+    print(f"done: {step} steps, val loss {round(validation['val_loss'], 4)}, "
+          f"non-padding share {total_tokens / max(1, total_padded):.1%}, {total_tokens / elapsed:,.0f} tokens/s, "
+          f"{elapsed:.0f}s; metrics and checkpoints in {args.out_dir}")
+param_elements, optimizer_elements = modeling.local_state_sizes(model, optimizer)
+print(f"rank {rank} holds {param_elements:,} parameter and {optimizer_elements:,} optimizer-state elements "
+      f"({n_params:,} parameters in the model), peak memory in training {run_peak_mem_gb:.2f} GB")
+dist.barrier()  # without it, a rank that exits first can abort the others' gloo teardown
+dist.destroy_process_group()
+time.sleep(0.2)  # let gloo's threads free the last collectives' tensors: in Python's exit that aborts (pytorch#190489)

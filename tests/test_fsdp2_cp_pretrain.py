@@ -1,0 +1,98 @@
+"""fsdp2_cp_pretrain.py on CPU with gloo: context parallelism x FSDP2 trains as DDP does, its attention over a
+sequence split in zigzag pieces equals one process's in output and gradients, bad --cp and --buckets are one line, and
+its checkpoints continue in fsdp2_pretrain.py and back at other world sizes."""
+import json
+
+import pytest
+
+from helpers import (
+    TINY_RUN,
+    assert_same_steps,
+    check,
+    copy_checkpoint,
+    read_metrics,
+    run_script,
+    run_until_the_first_collective,
+    traceback_through_our_code,
+)
+
+
+@pytest.fixture(scope="module")
+def two_by_two(tmp_path_factory):
+    """The tiny run on a 2D mesh: 4 processes, dp 2 x cp 2 (the file's only 4-process run). out_dir"""
+    out = tmp_path_factory.mktemp("cp4") / "run"
+    check(run_script("fsdp2_cp_pretrain.py", *TINY_RUN, "--cp", 2, "--out-dir", out, nproc=4))
+    return out
+
+
+def test_cp_2_on_2_ranks_trains_as_ddp_on_1_rank(tiny_run, ddp_one_process):
+    """dp 1 x cp 2: both ranks read every sample, each computes half of every sequence (both runs: --grad-accum 2)."""
+    out = tiny_run("fsdp2_cp_pretrain.py")[0]
+    ddp = assert_same_steps(out, ddp_one_process, range(1, 21), 1e-5, 1e-5)
+    assert len({ddp[step]["bucket_len"] for step in range(1, 21)}) >= 3  # across buckets
+    assert any(ddp[step]["grad_norm"] > 1.0 for step in range(1, 21))  # clipping was active, and agreed too
+    cp_val, ddp_val = read_metrics(out)[1], read_metrics(ddp_one_process)[1]
+    assert sorted(cp_val) == [0, 10, 20] and all(abs(cp_val[s] - ddp_val[s]) <= 1e-5 for s in cp_val)
+
+
+def test_a_2d_mesh_of_4_ranks_trains_as_ddp_on_2_ranks(two_by_two, tiny_run):
+    ddp = assert_same_steps(two_by_two, tiny_run("ddp_pretrain.py")[0], range(1, 21), 1e-5, 1e-5)
+    assert len({ddp[step]["bucket_len"] for step in range(1, 21)}) >= 3
+
+
+def test_the_attention_equals_one_process_sdpa_in_output_and_gradients(tiny_run):
+    """Inside the 2-rank run (tests/cp_probe.py): random queries, keys and values of 32 positions, each rank its zigzag
+    piece; its output and the gradients of its queries, keys and values are the whole sequence's, piece by piece."""
+    probe = json.loads((tiny_run("fsdp2_cp_pretrain.py")[0].parent / "probe.json").read_text())
+    length, ranks = probe["sequence"], probe["ranks"]
+    assert length == 32 and len(ranks) == 2
+    # 4 chunks of 8: rank 0 holds the first and the last, rank 1 the two middle ones.
+    assert ranks[0]["positions"] == [*range(0, 8), *range(24, 32)]
+    assert ranks[1]["positions"] == list(range(8, 24))
+    # The same share of the causal triangle: a query at position p attends to p + 1 keys.
+    assert [sum(p + 1 for p in rank["positions"]) for rank in ranks] == [264, 264]
+    for rank in ranks:
+        assert rank["output_shape"] == [2, 16, 4, 16] and rank["weights"] is None  # [batch, positions, heads, dim]
+        assert rank["differences"].keys() == {"output", "grad_query", "grad_key", "grad_value"}
+        assert max(rank["differences"].values()) < 1e-5, rank["differences"]
+
+
+BAD_CP = {  # case: (flags, world size, words the error line must hold: the flag first)
+    "--cp that does not divide the world size": (["--cp", 3], 4, ["--cp 3", "world size 4"]),
+    "a bucket that 2 x cp does not divide": (["--cp", 2, "--buckets", "30,64"], 4, ["--buckets 30,64", "= 4"]),
+    "--cp beyond what the buckets allow": (["--cp", 32, "--buckets", "32,64"], 64, ["--buckets 32,64", "= 64"]),
+    "--compile": (["--cp", 1, "--compile"], 1, ["--compile", "eager"]),
+}
+
+
+@pytest.mark.parametrize("case", BAD_CP)
+def test_bad_cp_input_gives_one_clear_line_before_any_collective(case, tmp_path, monkeypatch):
+    flags, world_size, words = BAD_CP[case]
+    flags = ["--model", "tiny", *map(str, flags), "--out-dir", str(tmp_path / "run")]
+    code, stderr = run_until_the_first_collective("fsdp2_cp_pretrain.py", flags, world_size, monkeypatch)
+    lines = stderr.splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and all(w in lines[0] for w in words)
+
+
+def test_on_2_ranks_a_bad_bucket_is_one_line_from_one_rank(tmp_path):
+    result = run_script("fsdp2_cp_pretrain.py", "--model", "tiny", "--buckets", "30,64", "--out-dir", tmp_path, nproc=2)
+    assert result.returncode == 1 and "exitcode  : 2 " in result.stderr  # torchrun names its ranks' statuses
+    assert not traceback_through_our_code(result.stdout + result.stderr)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: --buckets 30,64: every bucket length must be a multiple of 2 x --cp = 4: change "
+                      "--buckets or --cp"]
+
+
+def test_a_cp_checkpoint_continues_in_fsdp2_pretrain_and_back(two_by_two, tmp_path):
+    """dp 2 x cp 2 on 4 ranks, to fsdp2_pretrain.py on 1 process at step 10, back to dp 1 x cp 2 on 2 ranks at step 15:
+    DCP reshards each time; the global batch is the same, so are the steps of the uninterrupted 4-rank run."""
+    fsdp2 = copy_checkpoint(two_by_two, 10, tmp_path / "fsdp2")
+    result = check(run_script("fsdp2_pretrain.py", *TINY_RUN, "--grad-accum", 2, "--save-every", 5, "--out-dir", fsdp2,
+                              "--resume"))
+    assert "at step 10" in result.stdout and sorted(read_metrics(fsdp2)[0]) == list(range(11, 21))
+    assert_same_steps(fsdp2, two_by_two, range(11, 21), 1e-5, 1e-5)
+    back = copy_checkpoint(fsdp2, 15, tmp_path / "cp")
+    result = check(run_script("fsdp2_cp_pretrain.py", *TINY_RUN, "--grad-accum", 2, "--out-dir", back, "--resume",
+                              nproc=2))
+    assert "at step 15" in result.stdout and sorted(read_metrics(back)[0]) == list(range(16, 21))
+    assert_same_steps(back, two_by_two, range(16, 21), 1e-5, 1e-5)

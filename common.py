@@ -97,9 +97,9 @@ MODEL_PRESETS = {
                    num_key_value_heads=2), rope_theta=10_000.0,
         train=dict(buckets=[32, 48, 64, 96, 128, 192, 256], tokens_per_batch=1024, lr=3e-3, warmup_steps=10,
                    max_steps=60, eval_every=20, save_every=20),
-        # The SFT's curves get 9 points (steps 0, 125, ..., 1000), each answering 50 held-out problems: evaluate.py
+        # The SFT's curves get 11 points (steps 0, 150, ..., 1500), each answering 50 held-out problems: evaluate.py
         # scores the finished model on 200.
-        sft=dict(buckets=[68, 96], tokens_per_batch=512, lr=3e-3, warmup_steps=30, max_steps=1000, eval_every=125,
+        sft=dict(buckets=[68, 96], tokens_per_batch=512, lr=3e-3, warmup_steps=30, max_steps=1500, eval_every=150,
                  save_every=500, eval_generate=50),
         # RL on the built-in RL set (the solve family's questions), from the finished SFT; a bucket holds a prompt and
         # its worked reply (about 75 tokens) and a rank's 64 replies a step are one micro-batch.

@@ -4,8 +4,8 @@
     torchrun --standalone --nproc_per_node=8 fsdp2_grpo.py --model qwen2-0.5b --data data/gsm8k
 
 data/gsm8k is GSM8K's training problems ({question, answer} rows; {prompt, answer} rows and conversations work too),
-tokenized once by prepare_data.py --sft; the built-in problems are answer-only, of shapes the built-in SFT set never
-shows. The model starts from the newest checkpoint under runs/fsdp2_sft unless --init-from names another.
+tokenized once by prepare_data.py --sft; the built-in problems are the solve family's questions (tasks.py), answer
+only. The model starts from the newest checkpoint under runs/fsdp2_sft unless --init-from names another.
 """
 import json
 import os
@@ -41,7 +41,7 @@ SCRIPT = Path(__file__).stem  # names the run folder and is recorded in every ch
 rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 local_rank = int(os.environ.get("LOCAL_RANK", 0))
 parser = common.get_parser(__doc__, f"runs/{SCRIPT}", "grpo", init_from="fsdp2_sft", batches_of_samples=False,
-                           data_help="problems with answers: 'builtin' (arithmetic the built-in SFT set never shows), "
+                           data_help="problems with answers: 'builtin' (chains asked 'Solve ...', tasks.py), "
                            "a folder of prepare_data.py --sft, a hub dataset name, local .jsonl/.json/.parquet rows "
                            "({prompt, answer}, GSM8K's {question, answer}, or conversations)")
 parser.add_argument("--reshard-after-forward", type=common.boolean, default=True, help="true: a layer's gathered "

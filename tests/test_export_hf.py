@@ -19,8 +19,8 @@ import modeling
 import tasks
 from helpers import REPO, check, read_metrics, run_script, tree_hashes
 
-SCRIPTS = ["ddp_pretrain.py", "fsdp1_pretrain.py", "fsdp2_pretrain.py", "fsdp2_tp_pretrain.py", "pp_pretrain.py",
-           "fsdp2_sft.py", "fsdp2_grpo.py"]
+SCRIPTS = ["ddp_pretrain.py", "fsdp1_pretrain.py", "fsdp2_pretrain.py", "fsdp2_tp_pretrain.py", "fsdp2_cp_pretrain.py",
+           "pp_pretrain.py", "fsdp2_sft.py", "fsdp2_grpo.py"]
 STRINGS = ["Hello world, it's 2026!", "  two  spaces, tabs\tand\nnewlines\n\n",
            "naïve café Ærøskøbing 東京 🙂",
            "1234567 + 89 = 1234656", "def f(x):\n    return [i ** 2 for i in range(10)]  # code\n",

@@ -1,6 +1,6 @@
 """What every script shares and a reader need not see twice: errors, constants, presets and the command line, the
-tokenizer and chat format, the LR schedule and the process group. Beside it, one subject each:
-modeling.py (model, loss, generation), metrics.py, data.py, checkpoints.py and prepare_data.py. Everything
+tokenizer and chat format, the LR schedule, the validation split and the process group. Beside it, one subject each:
+modeling.py (model, loss, generation), metrics.py, data.py, checkpoints.py, prepare_data.py and tasks.py. Everything
 strategy-specific (wrapping, checkpoint save and load, clipping, no-sync) is written out in the scripts, so that
 `diff` between them is the lesson.
 """
@@ -13,6 +13,8 @@ import os
 import sys
 import warnings
 from pathlib import Path
+
+import numpy as np
 
 VOCAB_SIZE = 50_304  # GPT-2's 50,257 tokens padded to a multiple of 64 (faster matmuls; SFT's markers come from here)
 EOT_ID = 50_256  # <|endoftext|>: separates documents, and pads batches (padding is never a target)
@@ -441,6 +443,20 @@ def learning_rate(step, args):
         progress = min(1.0, (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps))
         left = 0.5 * (1 + math.cos(math.pi * progress))
     return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * left)
+
+
+# ----------------------------------------------------------------------------------------------
+# The validation split.
+
+def validation_documents(n_documents, val_fraction, seed=0):
+    """A fixed held-out set of documents, the same whatever the training seed: at most 500 of them, so every
+    --val-fraction's set is within the first 500 of one permutation. Whole documents, so that no chunk of a held-out
+    document is ever trained on (data.py's splits; evaluate.py's held-out problems; tasks.py keeps clear of them)."""
+    if n_documents < 2:
+        raise UsageError("the data holds fewer than 2 documents: one is needed for training and one for "
+                                "validation; use more --data")
+    n_val = min(max(1, round(n_documents * val_fraction)), 500)
+    return np.sort(np.random.default_rng(seed).permutation(n_documents)[:n_val])
 
 
 # ----------------------------------------------------------------------------------------------

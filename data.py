@@ -116,16 +116,6 @@ def open_prepared(folder, tokenizer, kind):
 # ----------------------------------------------------------------------------------------------
 # Samples and the validation split.
 
-def validation_documents(n_documents, val_fraction, seed=0):
-    """A fixed held-out set of documents, the same whatever the training seed: at most 500 of them. Whole
-    documents, so that no chunk of a held-out document is ever trained on."""
-    if n_documents < 2:
-        raise common.UsageError("the data holds fewer than 2 documents: one is needed for training and one for "
-                                "validation; use more --data")
-    n_val = min(max(1, round(n_documents * val_fraction)), 500)
-    return np.sort(np.random.default_rng(seed).permutation(n_documents)[:n_val])
-
-
 class Split(NamedTuple):
     """The samples of one split, as flat arrays over the memory-mapped sources: sample i is
     tokens[sources[i]][starts[i]:starts[i] + lengths[i]]; target_counts[i] of its positions carry a loss."""
@@ -184,7 +174,7 @@ def load_pretraining_data(args, tokenizer):
 def text_splits(corpus, args):
     """Train and validation Splits of a text corpus, every token but a sample's first a target."""
     is_val = np.zeros(len(corpus.offsets) - 1, dtype=bool)
-    is_val[validation_documents(len(is_val), args.val_fraction)] = True
+    is_val[common.validation_documents(len(is_val), args.val_fraction)] = True
     splits = []
     for documents in (np.flatnonzero(~is_val), np.flatnonzero(is_val)):
         starts, lengths = document_samples(corpus, documents, args.buckets[-1])
@@ -221,7 +211,7 @@ def load_sft_data(args, tokenizer, kind="sft", replay=None):
     for i in np.flatnonzero(lengths > cut):  # the few conversations that are cut: count again within the cut
         target_counts[i] = int(corpus.mask[starts[i] + 1:starts[i] + cut[i]].sum())
     is_val = np.zeros(len(starts), dtype=bool)
-    is_val[validation_documents(len(starts), args.val_fraction)] = True
+    is_val[common.validation_documents(len(starts), args.val_fraction)] = True
 
     def split(keep):
         return one_source_split(corpus, corpus.mask, starts[keep], cut[keep], target_counts[keep])

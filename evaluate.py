@@ -40,7 +40,6 @@ import torch
 
 import checkpoints
 import common
-import data
 import modeling
 import prepare_data
 import tasks
@@ -148,8 +147,8 @@ def replies(model, prompts, max_new_tokens, batch_size, temperature=0.0):
 # The built-in problems: the held-out ones, and the shapes no run trained on.
 
 def held_out(items, val_fraction):
-    """The items of the scripts' validation split at that --val-fraction (data.validation_documents)."""
-    return [items[i] for i in data.validation_documents(len(items), val_fraction)]
+    """The items of the scripts' validation split at that --val-fraction (common.validation_documents)."""
+    return [items[i] for i in common.validation_documents(len(items), val_fraction)]
 
 
 def arith_held_out(val_fraction):

@@ -2,9 +2,10 @@
 
     arithmetic  chains of single-digit additions and subtractions, always worked step by step (the SFT set: chains
                 of three; evaluate.py also asks chains of two and four, and other phrasings)
-    solve       chains of three the arithmetic set leaves out, asked "Solve 3 + 4 - 2." and answered in one of two
-                modes: directly (the common mode, which a small model mostly gets wrong) or worked as the arithmetic
-                set works its chains (the rare mode, which it gets right); RL with a correctness reward selects it
+    solve       chains of three asked "Solve 3 + 4 - 2." and answered in one of two modes: directly (the common
+                mode, which a small model gets wrong on a chain it has not seen) or worked as the arithmetic set
+                works its chains (the rare mode, which it gets right); RL with a correctness reward selects it. The
+                SFT set asks chains the arithmetic rows hold; the held-out and RL sets, chains they leave out
 
 Replies are read alike by the SFT's accuracy, GRPO's reward and evaluate.py: the text between the solution markers,
 or the final number."""
@@ -85,10 +86,11 @@ HELD_OUT_SEED = 1000  # seeds evaluate.py's chains of two and four operations, w
 
 
 # ----------------------------------------------------------------------------------------------
-# Solve: chains of three the arithmetic set leaves out, asked in other words and answered in two modes.
+# Solve: chains of three asked in other words and answered in two modes.
 
 UNSEEN_CHAINS = 1979  # the chains of three operations the arithmetic set leaves out: 11,979 (the 90% cap) - 10,000
-SOLVE_HELD_OUT, SOLVE_SFT_ROWS = 500, 1000  # of those: the solve task's, the SFT set's, and the rest the RL set's
+SOLVE_HELD_OUT = 500  # of those: the solve task's; the rest are the RL set's
+SOLVE_SFT_ROWS = 3000  # the SFT set's solve rows, each asking a chain an arithmetic row of its training split holds
 SOLVE_WORKED_SHARE = 0.15  # the share of the SFT set's solve rows that are worked (the rest answer at once)
 EMPTY_THOUGHT = "<|begin_of_thought|>\n\n<|end_of_thought|>\n\n"
 
@@ -115,13 +117,19 @@ def solve_held_out(n=SOLVE_HELD_OUT, operations=3):
 
 
 def solve_records(worked_share=SOLVE_WORKED_SHARE):
-    """The solve rows of the SFT set, in the OpenThoughts format: a share `worked_share` of them worked as the
-    arithmetic set works its own (which rows: drawn at random, seeded), the rest answered directly."""
+    """The solve rows of the SFT set, in the OpenThoughts format: chains that the arithmetic rows train on, asked
+    "Solve ...", a share `worked_share` of them worked as the arithmetic row works it, the rest answered directly
+    (which chains, which rows worked: drawn at random, seeded). The worked mode is then one the SFT can learn to get
+    right; the direct one, on a chain it has not seen, mostly a guess. No chain of the SFT set's validation split at
+    any --val-fraction (the first 500 of one permutation) is asked, so arith_gen's held-out problems stay unseen."""
+    arithmetic = builtin_reasoning_records()
+    validation = set(common.validation_documents(len(arithmetic) + SOLVE_SFT_ROWS, 1.0).tolist())
     rng = random.Random(1)
+    chosen = rng.sample([i for i in range(len(arithmetic)) if i not in validation], SOLVE_SFT_ROWS)
     return [{"system": common.BUILTIN_SYSTEM_PROMPT, "conversations": [
-        {"from": "user", "value": solve_question(record)},
-        {"from": "assistant", "value": record["conversations"][1]["value"] if rng.random() < worked_share
-         else direct_reply(record)}]} for record in unseen_chains()[SOLVE_HELD_OUT:SOLVE_HELD_OUT + SOLVE_SFT_ROWS]]
+        {"from": "user", "value": solve_question(arithmetic[i])},
+        {"from": "assistant", "value": arithmetic[i]["conversations"][1]["value"] if rng.random() < worked_share
+         else direct_reply(arithmetic[i])}]} for i in chosen]
 
 
 def builtin_sft_records(worked_share=SOLVE_WORKED_SHARE):
@@ -134,7 +142,7 @@ def builtin_rl_records():
     """The built-in RL set: the solve family's questions that no other set holds, with their answers only."""
     return [{"system": common.BUILTIN_SYSTEM_PROMPT, "prompt": solve_question(record),
              "answer": direct_reply(record).split("<|begin_of_solution|>")[1].split("<|end_of_solution|>")[0].strip()}
-            for record in unseen_chains()[SOLVE_HELD_OUT + SOLVE_SFT_ROWS:]]
+            for record in unseen_chains()[SOLVE_HELD_OUT:]]
 
 
 def is_worked(tokenizer, token_ids):

@@ -1,6 +1,6 @@
 """What context parallelism saves: peak memory per rank at one long bucket, at --cp 1 (one process) and --cp 2 (two).
 
-    python benchmarks/cp_memory.py                              # CPU: small model, 8192 tokens, about 5 minutes
+    python benchmarks/cp_memory.py                              # CPU: small model, 8192 tokens, about 8 minutes
     python benchmarks/cp_memory.py --model qwen2-0.5b --length 16384 --cps 1,2,4
 
 Each run is fsdp2_cp_pretrain.py on the built-in data with a single bucket, one sequence per micro-batch, for --steps

@@ -125,7 +125,7 @@ lengths = np.clip(rng.lognormal(np.log(500), 1.1, size=11_000_000), 8, 200_000).
 corpus = data.Corpus(None, np.concatenate([[0], np.cumsum(lengths)]), None, "")
 start = time.perf_counter()
 is_val = np.zeros(len(lengths), dtype=bool)
-is_val[data.validation_documents(len(lengths), args.val_fraction)] = True
+is_val[common.validation_documents(len(lengths), args.val_fraction)] = True
 starts, sample_lengths = data.document_samples(corpus, np.flatnonzero(~is_val), 2048)
 schedule = data.epoch_schedule(sample_lengths, args.buckets, args.tokens_per_batch, 8, 1, args.seed, 0)
 rows.append(("index + schedule, 11M synthetic documents", f"{time.perf_counter() - start:.2f} s",

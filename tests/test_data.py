@@ -153,9 +153,9 @@ def test_validation_documents_are_fixed_and_never_trained_on(builtin_splits):
 
     trained, held_out = covered(train), covered(val)
     assert not (trained & held_out).any() and (trained | held_out).all()  # disjoint, and together the whole corpus
-    assert len(data.validation_documents(411, 0.05)) == 21
-    assert np.array_equal(data.validation_documents(411, 0.05), data.validation_documents(411, 0.05))
-    assert len(data.validation_documents(100_000, 0.05)) == 500  # at most 500 documents
+    assert len(common.validation_documents(411, 0.05)) == 21
+    assert np.array_equal(common.validation_documents(411, 0.05), common.validation_documents(411, 0.05))
+    assert len(common.validation_documents(100_000, 0.05)) == 500  # at most 500 documents
 
 
 def split_of(samples, mask=None):

@@ -13,7 +13,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import checkpoints
 import common
-import data
 import export_hf
 import modeling
 import tasks
@@ -84,7 +83,7 @@ def test_autotokenizer_on_the_export_gives_the_training_ids(exported, script):
 def held_out_question():
     """A built-in problem of the SFT's validation split (the tiny run's --val-fraction), never trained on."""
     records = tasks.builtin_sft_records()
-    return records[data.validation_documents(len(records), 0.002)[0]]["conversations"][0]["value"]
+    return records[common.validation_documents(len(records), 0.002)[0]]["conversations"][0]["value"]
 
 
 def test_pipeline_and_generate_py_on_the_export_answer_as_the_checkpoint_does(exported):

@@ -52,7 +52,7 @@ rows = []
 for cp in map(int, cli.cps.split(",")):
     long, floor = peak_per_rank(cp, cli.length), peak_per_rank(cp, 256)
     rows.append({"cp": cp, "ranks": cp, "length": cli.length, "peak_gb": long, "floor_gb": floor,
-                 "activation_gb": [a - b for a, b in zip(long, floor)]})
+                 "activation_gb": [round(a - b, 2) for a, b in zip(long, floor)]})
     print(f"cp {cp}: peak per rank {long} GB at {cli.length} tokens, floor {floor} GB at 256", flush=True)
 
 print(f"\n| --cp | ranks | peak per rank at {cli.length} tokens | floor at 256 | activation memory per rank |")

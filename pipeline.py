@@ -10,7 +10,8 @@
 Each stage runs its script under torchrun with --out-dir DIR/<stage>, starting from the stage before it:
 
     pretrain  fsdp2_pretrain.py
-    sft       fsdp2_sft.py from pretrain's newest checkpoint
+    mid       fsdp2_pretrain.py from pretrain's newest checkpoint, on its text and the built-in conversations 70:30
+    sft       fsdp2_sft.py from mid's newest checkpoint, with 10% of its tokens pretraining text replayed
     grpo      fsdp2_grpo.py from sft's newest checkpoint, on problems with answers only (built-in: --reward exact-text)
     control   fsdp2_sft.py from sft's newest checkpoint, for as long as grpo took: the SFT continued on its own data at
               its final learning rate, the compute-matched baseline GRPO must beat

@@ -1,7 +1,7 @@
 """The whole pipeline in one command: pretraining -> midtraining -> SFT -> GRPO (beside its control and a reference)
 -> evaluate.py -> plots -> a report.
 
-    python pipeline.py                                        # small model, built-in data, 2 processes: ~35 minutes
+    python pipeline.py                                        # small model, built-in data, 2 processes (BENCHMARKS.md)
     python pipeline.py --seed 1 --out-dir runs/pipeline_seed1
     python pipeline.py --stages eval                          # score the runs already in --out-dir again
     python pipeline.py --model qwen2-0.5b --nproc 8 --pretrain-data data/fineweb-edu --sft-data data/openthoughts \\

@@ -454,7 +454,7 @@ def validation_documents(n_documents, val_fraction, seed=0):
     document is ever trained on (data.py's splits; evaluate.py's held-out problems; tasks.py keeps clear of them)."""
     if n_documents < 2:
         raise UsageError("the data holds fewer than 2 documents: one is needed for training and one for "
-                                "validation; use more --data")
+                         "validation; use more --data")
     n_val = min(max(1, round(n_documents * val_fraction)), 500)
     return np.sort(np.random.default_rng(seed).permutation(n_documents)[:n_val])
 

@@ -46,7 +46,7 @@ def test_help_shows_every_flags_default_and_keeps_the_commands_lines(script, hel
         assert "default: None" not in block, f"{script} {flag}: {block}"
     # A flag the preset fills says what each preset gives it.
     max_steps = {"train": "tiny: 20, small: 60, qwen2-0.5b: 5000", "sft": "tiny: 20, small: 1500, qwen2-0.5b: 2000",
-                 "grpo": "tiny: 20, small: 50, qwen2-0.5b: 500"}[STAGES[script]]
+                 "grpo": "tiny: 20, small: 30, qwen2-0.5b: 500"}[STAGES[script]]
     assert f"(default by --model: {max_steps})" in blocks["--max-steps"]
     assert "small: 32,48,64,96,128,192,256" in blocks["--buckets"] or STAGES[script] != "train"
     assert "{tiny,small,qwen2-0.5b}" in blocks["--model"]

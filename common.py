@@ -11,6 +11,7 @@ import math
 import operator
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -50,16 +51,29 @@ def error_reason(error):
     return f"{type(error).__name__}: {lines[0][:200]}" if lines else type(error).__name__
 
 
+RANK_0_REPORTS_WITHIN_S = 60  # how long another rank waits for rank 0 to print the error they share
+
+
+def report_once(line, stream):
+    """Print an error line that every rank reaches alike (all check the same input, and the loss is global) once, from
+    rank 0. Another rank waits first: exiting at once, it would let torchrun stop rank 0 before rank 0 prints (it may
+    still be importing); torchrun stops the waiting rank as soon as rank 0 exits. If rank 0 never does, the rank that
+    waited prints the line itself."""
+    rank = int(os.environ.get("RANK", 0))
+    if rank != 0:
+        time.sleep(RANK_0_REPORTS_WITHIN_S)
+        line = f"{line} (rank {rank}; rank 0 did not report it)"
+    print(line, file=stream, flush=True)
+
+
 def _report_error(exc_type, exc, tb, _default_hook=sys.excepthook):
-    # Every rank reaches the same error (all check the same input, and the loss is global), so rank 0 alone prints it,
-    # on the real stderr (torch.distributed's own hook would prefix "[rank0]:"); every rank exits with its kind's
+    # On the real stderr (torch.distributed's own hook would prefix "[rank0]:"); every rank exits with its kind's
     # status. os._exit: an exception's exit would be 1 whatever the kind, and gloo's threads can abort a shutdown.
     if not issubclass(exc_type, ReportedError):
         return _default_hook(exc_type, exc, tb)
     try:
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {exc}", file=sys.__stderr__, flush=True)
         sys.stdout.flush()
+        report_once(f"error: {exc}", sys.__stderr__)
     finally:
         os._exit(exc.exit_status)
 
@@ -204,8 +218,7 @@ class ArgumentParser(argparse.ArgumentParser):
         return args
 
     def error(self, message):
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {message}", file=sys.stderr, flush=True)
+        report_once(f"error: {message}", sys.stderr)
         sys.exit(2)
 
 

@@ -75,7 +75,11 @@ def test_bad_cp_input_gives_one_clear_line_before_any_collective(case, tmp_path,
 
 
 def test_on_2_ranks_a_bad_bucket_is_one_line_from_one_rank(tmp_path):
-    result = run_script("fsdp2_cp_pretrain.py", "--model", "tiny", "--buckets", "30,64", "--out-dir", tmp_path, nproc=2)
+    """Even when rank 1 gets there first: rank 0 starts 3 s late (a sitecustomize, which Python imports at start-up),
+    and torchrun would stop it the moment rank 1 exited."""
+    (tmp_path / "sitecustomize.py").write_text("import os, time\nif os.environ.get('RANK') == '0': time.sleep(3)\n")
+    result = run_script("fsdp2_cp_pretrain.py", "--model", "tiny", "--buckets", "30,64", "--out-dir", tmp_path / "run",
+                        nproc=2, env={"PYTHONPATH": str(tmp_path)})
     assert result.returncode == 1 and "exitcode  : 2 " in result.stderr  # torchrun names its ranks' statuses
     assert not traceback_through_our_code(result.stdout + result.stderr)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]

@@ -19,6 +19,7 @@ corpus. Given any other --data (builtin, files, a hub name), they prepare it the
 per machine. Sources: 'builtin', local .txt (a document per file), .jsonl/.json (a document per row), .parquet
 (read a record batch at a time), a folder of one of these kinds, or a Hugging Face hub dataset (streamed).
 """
+import functools
 import hashlib
 import itertools
 import json
@@ -54,9 +55,10 @@ def available_cores():
 # ----------------------------------------------------------------------------------------------
 # Reading: batches (lists) of rows, never a whole corpus as Python objects.
 
+@functools.cache  # parsing the standard library takes seconds; evaluate.py asks once per checkpoint
 def builtin_documents():
     """Real English prose that ships with every CPython: the interpreter's help topics (pydoc_data)
-    and the longer docstrings of the standard library, one document per module."""
+    and the longer docstrings of the standard library, one document per module (a tuple: one copy is shared)."""
     import ast
     import pydoc_data.topics
     import sysconfig
@@ -76,7 +78,7 @@ def builtin_documents():
         docstrings = [doc for doc in docstrings if doc and len(doc) >= 200]  # short ones are mostly boilerplate
         if docstrings:
             documents.append("\n\n".join(docstrings))
-    return documents
+    return tuple(documents)
 
 
 def looks_local(data):
@@ -198,7 +200,7 @@ def read_rows(args):
 def pretraining_texts(args):
     """Batches of document texts. Rows whose --text-field is empty, blank or not text are skipped."""
     if args.data == "builtin":
-        yield builtin_documents()
+        yield list(builtin_documents())
         return
     for rows in read_rows(args):
         if rows and args.text_field not in rows[0]:

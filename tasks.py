@@ -9,6 +9,7 @@
 
 Replies are read alike by the SFT's accuracy, GRPO's reward and evaluate.py: the text between the solution markers,
 or the final number."""
+import functools
 import random
 import re
 
@@ -47,6 +48,12 @@ def solution_text(tokenizer, token_ids):
 # Arithmetic.
 
 def builtin_reasoning_records(n=10_000, seed=0, operations=3):
+    """generated_reasoning_records(n, seed, operations) as a new list (its records are shared: read them only)."""
+    return list(generated_reasoning_records(n, seed, operations))
+
+
+@functools.cache  # evaluate.py asks for these once per task and checkpoint: generate them once per process
+def generated_reasoning_records(n, seed, operations):
     """A generated reasoning set in the OpenThoughts format, deterministic by seed: chains of `operations` (three)
     single-digit additions and subtractions whose results stay within 0..9, no problem twice. Each thought
     step does one operation and carries the rest (6 + 2 = 8, so 8 - 6 - 1; ...): every result sits right

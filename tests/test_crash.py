@@ -30,7 +30,6 @@ CRASHES = {  # script, moment (tests/crash.py's CRASH_AT), rank killed
     "fsdp2 mid-save": ("fsdp2_pretrain.py", "save:20", 1),  # model/ written, optimizer/ not
     "tp mid-run": ("fsdp2_tp_pretrain.py", "step:12", 1),  # dp 1 x tp 2: the killed rank holds half of each layer
     "pp mid-run": ("pp_pretrain.py", "step:12", 1),  # 2 stages: the last one dies, the first waits on its sends
-    "cp mid-run": ("fsdp2_cp_pretrain.py", "step:12", 0),  # dp 1 x cp 2: the killed rank holds half of each sequence
     "grpo mid-rollout": ("fsdp2_grpo.py", "rollout:12", 1),  # rank 0 waits inside its synced generation
 }
 

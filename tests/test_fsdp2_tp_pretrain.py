@@ -5,7 +5,6 @@ import json
 import math
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
 import torch
 
 import checkpoints
@@ -16,22 +15,10 @@ from helpers import TINY_RUN, assert_same_steps, check, copy_checkpoint, read_me
 TINY = {"hidden": 64, "intermediate": 256, "heads": 4, "kv_heads": 2, "layers": 2, "vocab": 50_304}
 
 
-@pytest.fixture(scope="module")
-def two_by_two(tmp_path_factory):
-    """The tiny run on a 2D mesh: 4 processes, dp 2 x tp 2. (out_dir, CompletedProcess)"""
-    out = tmp_path_factory.mktemp("tp4") / "run"
-    return out, check(run_script("fsdp2_tp_pretrain.py", *TINY_RUN, "--tp", 2, "--out-dir", out, nproc=4))
-
-
 def test_tp_2_on_2_ranks_trains_as_ddp_on_1_rank(tiny_run, ddp_one_process):
     """dp 1 x tp 2: both ranks see every sample, each computes half of every layer (both runs: --grad-accum 2)."""
     ddp = assert_same_steps(tiny_run("fsdp2_tp_pretrain.py")[0], ddp_one_process, range(1, 11), 1e-4, 1e-4)
     assert any(ddp[step]["grad_norm"] > 1.0 for step in range(1, 11))  # clipping was active, and agreed too
-
-
-def test_a_2d_mesh_of_4_ranks_trains_as_ddp_on_2_ranks(two_by_two, tiny_run):
-    ddp = assert_same_steps(two_by_two[0], tiny_run("ddp_pretrain.py")[0], range(1, 11), 1e-4, 1e-4)
-    assert any(ddp[step]["grad_norm"] > 1.0 for step in range(1, 11))
 
 
 def test_each_tp_rank_holds_half_of_every_attention_and_mlp_matrix(tiny_run):
@@ -61,11 +48,13 @@ def test_one_layer_moves_exactly_the_collectives_the_docs_state(tiny_run):
     assert probe["forward"] == {"all_reduce": 2} and probe["backward"] == {"all_reduce": 5}
 
 
-def test_a_2d_checkpoint_resumes_in_fsdp2_pretrain_on_2_ranks_and_on_1(two_by_two, tmp_path):
-    """DCP reshards the dp 2 x tp 2 shards into FSDP2's 1D layout; 2 replicas, or 1 with 2 micro-batches, take the
+def test_a_tp_checkpoint_resumes_in_fsdp2_pretrain_on_2_ranks_and_on_1(tiny_run, tmp_path):
+    """DCP reshards the dp 1 x tp 2 shards into FSDP2's 1D layout; 2 replicas, or 1 with 2 micro-batches, take the
     same global batches, so the same steps. The two resumes run side by side."""
+    tp_run = tiny_run("fsdp2_tp_pretrain.py")[0]
+
     def resume(nproc, *flags):
-        resumed = copy_checkpoint(two_by_two[0], 10, tmp_path / f"on_{nproc}")
+        resumed = copy_checkpoint(tp_run, 10, tmp_path / f"on_{nproc}")
         command = ["fsdp2_pretrain.py", *TINY_RUN, *flags, "--out-dir", resumed, "--resume"]
         result = check(run_script(*command, nproc=nproc))
         return resumed, result
@@ -75,14 +64,14 @@ def test_a_2d_checkpoint_resumes_in_fsdp2_pretrain_on_2_ranks_and_on_1(two_by_tw
     for resumed, result in runs:
         assert "at step 10" in result.stdout
         assert sorted(read_metrics(resumed)[0]) == list(range(11, 21))
-        assert_same_steps(resumed, two_by_two[0], range(11, 21), 1e-4, 1e-4)
+        assert_same_steps(resumed, tp_run, range(11, 21), 1e-4, 1e-4)
 
 
-def test_generate_reads_a_2d_checkpoint_as_the_ddp_one_it_equals(two_by_two, tiny_run):
+def test_generate_reads_a_tp_checkpoint_as_the_ddp_one_it_equals(tiny_run, ddp_one_process):
     flags = ["--prompt", "The interpreter", "--max-new-tokens", 12]
-    printed = check(run_script("generate.py", two_by_two[0], *flags)).stdout
-    # The same greedy call in this process on DDP's step-20 checkpoint, which the 2D run equals.
-    model, _ = checkpoints.load_checkpoint_model(checkpoints.resolve_checkpoint(tiny_run("ddp_pretrain.py")[0]))
+    printed = check(run_script("generate.py", tiny_run("fsdp2_tp_pretrain.py")[0], *flags)).stdout
+    # The same greedy call in this process on DDP's step-20 checkpoint, which the TP run equals.
+    model, _ = checkpoints.load_checkpoint_model(checkpoints.resolve_checkpoint(ddp_one_process))
     tokenizer = common.get_tokenizer()
     with torch.no_grad():
         reply = modeling.generate_replies(model, [tokenizer.encode_ordinary("The interpreter")], 12)[0]

@@ -127,3 +127,24 @@ def test_selective_checkpointing_recomputes_no_matmul_and_gives_the_same_gradien
     for mode in ("full", "selective"):
         for ours, reference in zip(grads[mode], grads["none"]):
             torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-7)
+
+
+def test_the_sampler_draws_from_the_softmax_and_generate_keeps_to_the_top_k():
+    scores = torch.tensor([[0.0, 1.0, 2.0, float("-inf"), 0.5]]).repeat(100_000, 1)
+    torch.manual_seed(0)
+    kept = modeling.InverseCdfSampler()(None, scores)
+    assert (kept == 0).sum(dim=1).eq(1).all() and torch.isinf(kept).sum() == 4 * len(scores)  # one finite score a row
+    drawn = kept.argmax(dim=1)
+    shares = torch.bincount(drawn, minlength=5) / len(drawn)
+    # Within 4 standard errors of each probability; a token of probability 0 is never drawn.
+    assert torch.allclose(shares, torch.softmax(scores[0], dim=0), atol=4 * math.sqrt(0.25 / len(drawn)))
+    assert shares[3] == 0
+    model = modeling.build_model("tiny").eval()
+    prompts = [[1, 2, 3], [4, 5]]
+    torch.manual_seed(1)
+    first = modeling.generate_replies(model, prompts, 12, temperature=1.0, top_k=1)
+    assert first == modeling.generate_replies(model, prompts, 12)  # top-1 sampling is greedy decoding
+    torch.manual_seed(2)
+    sampled = modeling.generate_replies(model, prompts, 12, temperature=1.0)
+    torch.manual_seed(2)
+    assert sampled == modeling.generate_replies(model, prompts, 12, temperature=1.0)  # the seed fixes the draws

@@ -4,8 +4,14 @@ import functools
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
-from transformers import (LogitsProcessor, LogitsProcessorList, Qwen2Config, Qwen2ForCausalLM, TemperatureLogitsWarper,
-                          TopKLogitsWarper)
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+)
 
 from common import END_OF_TURN, EOT_ID, IGNORE_INDEX, MODEL_PRESETS, SPECIAL_TOKENS, VOCAB_SIZE
 

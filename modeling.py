@@ -178,8 +178,9 @@ def local_state_sizes(model, optimizer):
 class InverseCdfSampler(LogitsProcessor):
     """Draws each row's next token from the softmax of its scores by inverse CDF (the first token whose cumulative
     probability exceeds a uniform draw), and returns scores in which only that token is finite, for a greedy step
-    to pick. The same distribution as transformers' own sampling, whose torch.multinomial takes about 2 ms a row over
-    the 50,304-token vocabulary on a CPU (pytorch#30968): most of a sampled reply's time there, a quarter of it here."""
+    to pick. The same distribution as transformers' own sampling, whose torch.multinomial takes 1.5-2 ms a row over
+    the 50,304-token vocabulary on a CPU (pytorch#30968), most of a sampled reply's time: with this, a sampled
+    evaluation takes less than half as long (BENCHMARKS.md)."""
 
     def __call__(self, input_ids, scores):
         cumulative = torch.softmax(scores, dim=-1).cumsum(dim=-1)

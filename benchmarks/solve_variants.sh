@@ -3,8 +3,6 @@
 # pretrain + mid once (1 process, fp32, --grad-accum 2: the pipeline's global batch of 2 ranks), then for each set
 # the SFT (1,500 steps, or 3,000), evaluate.py, GRPO (30 steps, 16 prompts a step: the pipeline's 2 x 8), evaluate.py.
 # A table last; logs and metrics in $OUT/logs.tgz. BUDGET (seconds, default 440) stops the wait for the variants.
-# VARIANTS=tagged: instead, the set of benchmarks/tagged_chains.patch (applied to a copy of the repository in
-# /tmp/tagged, whose pretrain + mid then see tagged chains too) with 1,500, 3,000 and 4,500 SFT steps.
 #     OUT=/tmp/out bash benchmarks/solve_variants.sh      (on the GPU machine: carry ../shared/gpu's wheels in .gpu/)
 set -u
 export PYTHONUNBUFFERED=1
@@ -14,10 +12,6 @@ if [ -d .gpu/wheels ]; then
 fi
 python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
 python3 benchmarks/solve_variants.py $R > /dev/null || exit 1
-if [ "${VARIANTS:-first}" = tagged ]; then  # the same steps below, run in the patched copy
-  rm -rf /tmp/tagged && mkdir /tmp/tagged && cp -r *.py benchmarks /tmp/tagged/ && cd /tmp/tagged \
-    && git apply benchmarks/tagged_chains.patch || exit 1
-fi
 T0=$(date +%s)
 python3 pipeline.py --nproc 1 --seed 0 --out-dir $R --stages pretrain,mid --dtype fp32 --grad-accum 2 > $OUT/premid.log 2>&1 \
   || { tail -30 $OUT/premid.log; exit 1; }
@@ -38,18 +32,12 @@ chain() {  # name, data, extra SFT flags
   grep -h '"worked"' $d/grpo/metrics.jsonl | python3 -c "import sys, json; print('$1 grpo worked/step',
     [round(json.loads(line)['worked'], 2) for line in sys.stdin][::3])" >> $d.txt
 }
-if [ "${VARIANTS:-first}" = tagged ]; then
-  chain tagged builtin &
-  chain tagged3k builtin --max-steps 3000 &
-  chain tagged4k5 builtin --max-steps 4500 &
-else
-  chain base builtin &
-  chain base3k builtin --max-steps 3000 &
-  chain mix13 $R/mix13.jsonl &
-  chain mix13_3k $R/mix13.jsonl --max-steps 3000 &
-  chain lead13 $R/lead13.jsonl &
-  chain mix13x6 $R/mix13x6.jsonl &
-fi
+chain base builtin &
+chain base3k builtin --max-steps 3000 &
+chain mix13 $R/mix13.jsonl &
+chain mix13_3k $R/mix13.jsonl --max-steps 3000 &
+chain lead13 $R/lead13.jsonl &
+chain mix13x6 $R/mix13x6.jsonl &
 ( sleep ${BUDGET:-440}; echo "budget reached at $(( $(date +%s) - T0 )) s" ) &
 SLEEPER=$!
 while [ $(jobs -rp | wc -l) -gt 1 ] && kill -0 $SLEEPER 2>/dev/null; do sleep 5; done

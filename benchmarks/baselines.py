@@ -19,6 +19,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
 import data  # noqa: E402
+import metrics  # noqa: E402
 import modeling  # noqa: E402
 
 parser = argparse.ArgumentParser()
@@ -89,6 +90,7 @@ if cli.mode == "bare":
         bucket_len, step_samples = schedule[step - 1]
         if step == cli.skip + 1:
             dist.barrier()
+            metrics.reset_peak_memory(device)  # the peak of the measured steps, as the scripts log a step's
             step_ends.append(time.perf_counter())
         batch_size = data.bucket_batch_size(args.tokens_per_batch, bucket_len)
         input_ids, targets = data.collate(train, step_samples[rank::world_size], bucket_len, batch_size)
@@ -106,7 +108,8 @@ if cli.mode == "bare":
             step_ends.append(time.perf_counter())
     dist.barrier()
     report(tokens, padded_tokens, step_ends[-1] - step_ends[0],
-           step_seconds=[b - a for a, b in zip(step_ends, step_ends[1:])])  # per step, as ours
+           step_seconds=[b - a for a, b in zip(step_ends, step_ends[1:])],  # per step, as ours
+           peak_allocated_gb=metrics.peak_memory_gb(device), peak_reserved_gb=metrics.peak_reserved_memory_gb(device))
 
 else:
     import datasets

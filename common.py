@@ -119,7 +119,7 @@ MODEL_PRESETS = {
                  save_every=500, eval_generate=50),
         # RL on the built-in RL set (the solve family's questions), from the finished SFT; a bucket holds a prompt and
         # its worked reply (about 75 tokens) and a rank's 64 replies a step are one micro-batch. 30 steps: the worked
-        # mode is selected by step 12-18 and the held-out accuracy is 100% by step 15-25 (docs/rl.md).
+        # mode is selected by step 15 and the held-out accuracy is 100% at step 15 (docs/rl.md).
         grpo=dict(buckets=[96], tokens_per_batch=6144, lr=1e-4, min_lr_ratio=1.0, warmup_steps=5, max_steps=30,
                   eval_every=15, save_every=15, prompts_per_step=8, eval_generate=200),
     ),

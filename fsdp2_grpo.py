@@ -51,9 +51,9 @@ parser.add_argument("--eval-generate", type=common.NON_NEGATIVE_INT, default=Non
 parser.add_argument("--group-size", type=common.number(int, at_least=2), default=8, help="replies sampled per prompt "
                     "and rewarded against each other (a lone reply has no group: its advantage is always 0)")
 parser.add_argument("--prompts-per-step", type=common.COUNT, default=None, help="prompts per rank per optimizer step")
-parser.add_argument("--reward", choices=tasks.REWARDS, default="final-number", help="a reply's answer, compared with "
-                    "the reference's: final-number, the last number between its solution markers (else in the whole "
-                    "reply); exact-text, the text between its solution markers")
+parser.add_argument("--reward", choices=tasks.REWARDS, default="exact-text", help="a reply's answer, compared with "
+                    "the reference's: exact-text, the text between its solution markers (as evaluate.py scores it); "
+                    "final-number, the last number between them (else in the whole reply), for data such as GSM8K")
 
 
 def rollout_tokens(args, ranks):  # a step's positions: its rollouts, padded to the largest bucket, in batches of it

@@ -12,7 +12,8 @@ Each stage runs its script under torchrun with --out-dir DIR/<stage>, starting f
     pretrain  fsdp2_pretrain.py
     mid       fsdp2_pretrain.py from pretrain's newest checkpoint, on its text and the built-in conversations 70:30
     sft       fsdp2_sft.py from mid's newest checkpoint, with 10% of its tokens pretraining text replayed
-    grpo      fsdp2_grpo.py from sft's newest checkpoint, on problems with answers only (built-in: --reward exact-text)
+    grpo      fsdp2_grpo.py from sft's newest checkpoint, on problems with answers only (--reward final-number on
+              --rl-data other than builtin, as GSM8K's numbers)
     control   fsdp2_sft.py from sft's newest checkpoint, for as long as grpo took: the SFT continued on its own data at
               its final learning rate, the compute-matched baseline GRPO must beat
     reference fsdp2_sft.py as the SFT, on the built-in set with every solve row worked (DIR/reference.jsonl): what
@@ -111,13 +112,16 @@ def source_of(stage, args):
 
 def stage_flags(stage, args):
     """The flags the pipeline gives a stage, before the user's own (which win): midtraining's mixture and schedule,
-    the SFT's replay, and every checkpoint kept (evaluate.py reads them all)."""
+    the SFT's replay, GRPO's reward on data other than the built-in set, and every checkpoint kept (evaluate.py reads
+    them all)."""
     flags = ["--keep-last", "1000"]
     if stage == "mid":
         steps, warmup = MID_SCHEDULE[args.model]
         flags += ["--data", f"{args.pretrain_data}:{MID_TEXT_SHARE}", f"{common.CHAT_AS_TEXT}:{1 - MID_TEXT_SHARE:g}",
                   "--lr-schedule", "wsd", "--decay-fraction", "0.2", "--max-steps", str(steps), "--warmup-steps",
                   str(warmup), "--save-every", str(steps // 2), "--eval-every", str(steps // 4)]
+    if stage == "grpo" and args.rl_data != "builtin":  # as GSM8K's: a number to match, not the built-in replies' text
+        flags += ["--reward", "final-number"]
     if stage in ("sft", "reference"):  # (the control continues the SFT with its flags: control_flags)
         flags += ["--replay", f"{args.pretrain_data}:{SFT_REPLAY_SHARE}", "--save-every",
                   str(common.preset_defaults(args.model, "sft")["max_steps"] // 4)]
@@ -140,8 +144,6 @@ def run_stage(stage, args, extra):
         flags += ["--init-from", str(Path(args.out_dir) / source_of(stage, args))]
     if stage == "control":
         flags += control_flags(Path(args.out_dir))
-    if stage == "grpo" and args.rl_data == "builtin" and "--reward" not in extra:
-        flags += ["--reward", "exact-text"]  # "The answer is 7." between the markers, as evaluate.py checks a reply
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
                SCRIPTS[stage], *flags]
     shown = shlex.join(["torchrun", *command[3:]])  # what a user would type

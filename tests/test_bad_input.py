@@ -127,12 +127,13 @@ BAD_INPUTS = {  # case: (script, flags, ranks, words the error line must hold: t
         ("fsdp2_grpo.py", ["--model", "tiny", *SFT_INIT], 1, ["--init-from", "fsdp2_pretrain.py", "chat format"]),
     "GRPO data with no reference answers":
         ("fsdp2_grpo.py", ["--model", "tiny", "--init-from", "{tmp}/sft", "--data", "{tmp}/no_solution.jsonl"], 1,
-         ["--reward final-number", "--data", "<|begin_of_solution|>"]),
+         ["--reward exact-text", "--data", "<|begin_of_solution|>"]),
     "GRPO rows with a prompt and no answer":
         ("fsdp2_grpo.py", ["--model", "tiny", "--init-from", "{tmp}/sft", "--data", "{tmp}/prompt_response.jsonl"], 1,
          ["--data", "no 'answer'"]),
     "GRPO final-number reward on answers with no number":
-        ("fsdp2_grpo.py", ["--model", "tiny", "--init-from", "{tmp}/sft", "--data", "{tmp}/spelling.jsonl"], 1,
+        ("fsdp2_grpo.py", ["--model", "tiny", "--init-from", "{tmp}/sft", "--data", "{tmp}/spelling.jsonl",
+                           "--reward", "final-number"], 1,
          ["--reward final-number", "finds no answer"]),
     "SFT evaluation with a negative count":
         ("fsdp2_sft.py", ["--model", "tiny", "--eval-generate", -5], 1, ["--eval-generate", "at least 0"]),

@@ -62,9 +62,8 @@ def cuda_runs(tmp_path_factory):
     processes["fsdp2_sft"] = start("fsdp2_sft.py", *TINY_STEPS, "--data", "builtin", "--init-from",
                                    root / "fsdp2_pretrain", "--out-dir", root / "fsdp2_sft", log=root / "fsdp2_sft.log")
     processes["fsdp2_sft"].wait(timeout=300)
-    processes["fsdp2_grpo"] = start("fsdp2_grpo.py", *TINY_STEPS, "--data", "builtin", "--reward", "exact-text",
-                                    "--init-from", root / "fsdp2_sft", "--out-dir", root / "fsdp2_grpo",
-                                    log=root / "fsdp2_grpo.log")
+    processes["fsdp2_grpo"] = start("fsdp2_grpo.py", *TINY_STEPS, "--data", "builtin", "--init-from",
+                                    root / "fsdp2_sft", "--out-dir", root / "fsdp2_grpo", log=root / "fsdp2_grpo.log")
     return {name: (root / name, process.wait(timeout=300), (root / f"{name}.log").read_text(errors="replace"))
             for name, process in processes.items()}
 

@@ -382,8 +382,8 @@ def cuda_tests(until):
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
     counts = {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")}
     passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
-    failed = [case.get("name").split("[")[-1].rstrip("]") for case in suite.iter("testcase") if case.find("failure") is not None
-              or case.find("error") is not None]
+    failed = [case.get("name").split("[")[-1].rstrip("]") for case in suite.iter("testcase")
+              if case.find("failure") is not None or case.find("error") is not None]
     summary = (f"{passed} passed, {len(failed)} failed{' (' + ', '.join(failed) + ')' if failed else ''}, "
                f"{counts['skipped']} skipped of {counts['tests']}")
     return [{"outcome": f"{outcome}: {summary}"}]

@@ -78,7 +78,7 @@ def one_question_data(tmp_path):
     """Six rows of one question: one held out, five training prompts, so at 1 prompt per rank on 2 ranks an epoch is
     two steps of two prompts and one of one."""
     path = tmp_path / "qa.jsonl"
-    path.write_text((json.dumps({"prompt": QUESTION, "answer": "7"}) + "\n") * 6)
+    path.write_text((json.dumps({"prompt": QUESTION, "answer": "The answer is 7."}) + "\n") * 6)  # in its words
     return path
 
 

@@ -32,7 +32,9 @@ def test_under_bf16_gpipe_trains_as_ddp_does_the_head_and_loss_in_bf16_too(tmp_p
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         list(pool.map(run, ["ddp_pretrain.py", "pp_pretrain.py"]))
-    assert_same_steps(tmp_path / "pp_pretrain.py", tmp_path / "ddp_pretrain.py", range(1, 5), 1e-4, 1e-4)
+    # The loss at 1e-4 catches a head left in fp32; grad norms differ by up to 1.5e-4 where the CPU has bf16 dot
+    # products (AVX512-BF16), whose kernels round by the batch's shape: 1e-3, still far below bf16's 7.8e-3.
+    assert_same_steps(tmp_path / "pp_pretrain.py", tmp_path / "ddp_pretrain.py", range(1, 5), 1e-4, 1e-3)
     pp_val, ddp_val = read_metrics(tmp_path / "pp_pretrain.py")[1], read_metrics(tmp_path / "ddp_pretrain.py")[1]
     assert pp_val[0] == pytest.approx(ddp_val[0], abs=1e-6) and pp_val[4] == pytest.approx(ddp_val[4], abs=1e-3)
 

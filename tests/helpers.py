@@ -1,4 +1,5 @@
-"""Launch the training scripts the way a user does (torchrun or plain python) and read what they write."""
+"""Launch the training scripts (under torchrun as a user does, as plain python, or as the ranks torchrun would start)
+and read what they write."""
 import json
 import os
 import re
@@ -37,16 +38,56 @@ def write_tiny_corpus():
         TINY_CORPUS.write_text(text)
 
 
-def run_script(script, *flags, nproc=1, torchrun=None, timeout=600, env=None):
-    """Run SCRIPT with FLAGS on NPROC CPU ranks (gloo); returns the CompletedProcess (text output). One rank runs as
-    plain `python SCRIPT.py` unless torchrun=True (the scripts make it a process group of one): no agent to start."""
-    torchrun = nproc > 1 if torchrun is None else torchrun
-    launcher = ([PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if torchrun
-                else [PYTHON])
+def run_script(script, *flags, nproc=1, torchrun=False, timeout=600, env=None):
+    """Run SCRIPT with FLAGS on NPROC CPU ranks (gloo); returns a CompletedProcess (text output). torchrun=True: under
+    `torchrun --standalone`, as a user runs it, for what torchrun itself does (a dead rank ends the job, its exit
+    report). Otherwise one rank is plain `python SCRIPT.py` (the scripts make it a process group of one), and more are
+    NPROC processes given the variables torchrun gives its workers and stopped together when one fails, as torchrun
+    stops them: the same scripts and process group without the agent, which costs 2 s a launch."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1",
                 **(env or {})}
-    return subprocess.run([*launcher, str(REPO / script), *map(str, flags)], cwd=REPO, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    command = [str(REPO / script), *map(str, flags)]
+    if torchrun:
+        command = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *command]
+    if torchrun or nproc == 1:
+        return subprocess.run([PYTHON, *command], cwd=REPO, env=full_env, capture_output=True, text=True,
+                              timeout=timeout)
+    return run_ranks([PYTHON, *command], nproc, full_env, timeout)
+
+
+def run_ranks(command, nproc, env, timeout):
+    """COMMAND as ranks 0..NPROC-1 of one process group on this machine; stdout and stderr are rank 0's, then rank
+    1's, and so on; the exit status the first failed rank's (0 if none failed)."""
+    import socket
+    import time
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    outputs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(nproc)]
+    group = {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(port)}
+    ranks = [subprocess.Popen(command, cwd=REPO, stdout=stdout, stderr=stderr, text=True,
+                              env={**env, **group, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+             for rank, (stdout, stderr) in enumerate(outputs)]
+    deadline, failed, timed_out = time.monotonic() + timeout, None, False
+    while any(rank.poll() is None for rank in ranks):
+        failed = failed or next((rank for rank in ranks if rank.returncode not in (None, 0)), None)
+        timed_out = time.monotonic() > deadline
+        if failed or timed_out:  # as torchrun: a failed rank stops the others
+            for rank in ranks:
+                rank.kill()
+        time.sleep(0.05)
+    if timed_out:
+        raise subprocess.TimeoutExpired(command, timeout)
+    failed = failed or next((rank for rank in ranks if rank.returncode != 0), None)
+    texts = []
+    for files in outputs:
+        for file in files:
+            file.seek(0)
+        texts.append([file.read() for file in files])
+    return subprocess.CompletedProcess(command, failed.returncode if failed else 0,
+                                       "".join(stdout for stdout, _ in texts), "".join(stderr for _, stderr in texts))
 
 
 def check(result):
@@ -98,6 +139,13 @@ def tree_hashes(folder):
 
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+def tree_stats(folder):
+    """Size and modification time of every file and folder under FOLDER: what any write, creation or removal changes,
+    read in a millisecond where tree_hashes reads every byte."""
+    return {str(path.relative_to(folder)): (path.stat().st_size, path.stat().st_mtime_ns)
+            for path in sorted(Path(folder).rglob("*"))}
 
 
 def traceback_through_our_code(output):

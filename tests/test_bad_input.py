@@ -23,6 +23,7 @@ from helpers import (
     run_until_the_first_collective,
     traceback_through_our_code,
     tree_hashes,
+    tree_stats,
 )
 
 SFT_INIT = ["--init-from", "{tmp}/fsdp2"]  # a valid pretrained checkpoint, so the SFT gets as far as its data
@@ -182,7 +183,11 @@ def bad_input_files(tmp_path_factory, tiny_run):
     shutil.copytree(tmp / "ddp", tmp / "truncated")
     weights = tmp / "truncated" / "checkpoints" / "step_20" / "checkpoint.pt"
     weights.write_bytes(weights.read_bytes()[:1000])  # a copy that ran out of disk
+    FILES_AS_WRITTEN.update(tree_hashes(tmp))
     return tmp
+
+
+FILES_AS_WRITTEN = {}  # sha256 of every file of bad_input_files, as the fixture wrote them
 
 
 # One case per script and per way an error ends a run (argparse, a usage error, on 2 ranks): run as commands too.
@@ -202,12 +207,12 @@ def flags_of(case, files, tmp):
 @pytest.mark.parametrize("case", BAD_INPUTS)
 def test_bad_input_gives_one_clear_line_before_any_collective(case, bad_input_files, tmp_path, monkeypatch):
     script, _, nproc, words = BAD_INPUTS[case]
-    before = tree_hashes(bad_input_files)
+    before = tree_stats(bad_input_files)
     code, stderr = run_until_the_first_collective(script, flags_of(case, bad_input_files, tmp_path), nproc, monkeypatch)
     assert code == 2  # bad input's status: a UsageError's, as argparse's own
     lines = stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and all(word in lines[0] for word in words), stderr
-    assert tree_hashes(bad_input_files) == before
+    assert tree_stats(bad_input_files) == before  # nothing written, created or removed (every byte: the last test)
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +220,8 @@ def command_line_runs(bad_input_files, tmp_path_factory):
     """{case: CompletedProcess} of COMMAND_LINE, two at a time (each spends most of its seconds importing torch)."""
     def run(case):
         script, _, nproc, _ = BAD_INPUTS[case]
-        return run_script(script, *flags_of(case, bad_input_files, tmp_path_factory.mktemp("case")), nproc=nproc)
+        return run_script(script, *flags_of(case, bad_input_files, tmp_path_factory.mktemp("case")), nproc=nproc,
+                          torchrun=nproc > 1)  # as a user runs them: torchrun reports its ranks' statuses
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         return dict(zip(COMMAND_LINE, pool.map(run, COMMAND_LINE)))
@@ -237,13 +243,13 @@ def test_on_the_command_line_it_is_one_line_and_no_traceback(case, command_line_
 def test_a_damaged_checkpoint_is_a_checkpoint_error_not_bad_input(bad_input_files, tmp_path, monkeypatch):
     """A checkpoint file cut short after it was written (a copy that ran out of disk) is not the flags' fault: its own
     kind and exit status (3), in one line that names the file, before any collective; nothing is touched."""
-    before = tree_hashes(bad_input_files)
+    before = tree_stats(bad_input_files)
     flags = ["--model", "tiny", "--resume", str(bad_input_files / "truncated" / "checkpoints" / "step_20"),
              "--out-dir", str(tmp_path / "run")]
     code, stderr = run_until_the_first_collective("ddp_pretrain.py", flags, 1, monkeypatch)
     assert code == checkpoints.CheckpointError.exit_status == 3
     assert stderr.startswith("error: --resume") and "checkpoint.pt is 1000 bytes" in stderr and stderr.count("\n") == 1
-    assert tree_hashes(bad_input_files) == before
+    assert tree_stats(bad_input_files) == before
 
 
 def empty_and_foreign_files(tmp):
@@ -282,3 +288,8 @@ def test_empty_or_foreign_data_files_are_one_error_line_and_write_nothing(stage,
         assert message.startswith(f"--data {path}") and "\n" not in message and len(message) < 400, (name, message)
     # no partial folder left either
     assert not list((tmp_path / "cache").rglob("*")) and not (tmp_path / "run").exists()
+
+
+def test_no_case_changed_a_byte_of_the_files_they_read(bad_input_files):
+    """After every case above (each checked the files' sizes and times), every file still holds its bytes."""
+    assert FILES_AS_WRITTEN and tree_hashes(bad_input_files) == FILES_AS_WRITTEN

@@ -53,6 +53,7 @@ def crashed(tmp_path_factory, tiny_run):
             out = tmp_path_factory.mktemp(case.replace(" ", "_")) / "run"
             stamp = out.parent / "killed_at"
             result = run_script("tests/crash.py", script, *flags_of(script, tiny_run), "--out-dir", out, nproc=2,
+                                torchrun=True,
                                 env={"CRASH_AT": moment, "CRASH_RANK": str(victim), "CRASH_STAMP": str(stamp)})
             assert stamp.exists(), f"no rank was killed\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
             runs[case] = (out, result, time.time() - float(stamp.read_text()))
@@ -113,7 +114,7 @@ def test_a_nonfinite_loss_stops_every_rank_before_the_update_and_saves_nothing_p
     # A learning rate of 1e9 makes the first update enormous: the next forward overflows to inf/NaN.
     result = run_script(script, "--model", "tiny", "--lr", 1e9, "--warmup-steps", 1, "--max-steps", 6,
                         "--save-every", 1, "--eval-every", 100, "--val-fraction", 0.002, "--dtype", "fp32",
-                        "--out-dir", tmp_path, nproc=nproc)
+                        "--out-dir", tmp_path, nproc=nproc, torchrun=nproc > 1)
     # Its own exit status, not bad input's (2): one process exits with it, torchrun names it for its ranks.
     status = metrics.NonFiniteLoss.exit_status
     assert status == 4 != common.UsageError.exit_status and not traceback_through_our_code(result.stderr)

@@ -81,7 +81,7 @@ def test_on_2_ranks_a_bad_bucket_is_one_line_from_one_rank(tmp_path):
     (tmp_path / "sitecustomize.py").write_text("import os, time\nif os.environ.get('RANK') == '0': time.sleep(3)\n")
     python_path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
     result = run_script("fsdp2_cp_pretrain.py", "--model", "tiny", "--buckets", "30,64", "--out-dir", tmp_path / "run",
-                        nproc=2, env={"PYTHONPATH": python_path})
+                        nproc=2, torchrun=True, env={"PYTHONPATH": python_path})
     assert result.returncode == 1 and "exitcode  : 2 " in result.stderr  # torchrun names its ranks' statuses
     assert not traceback_through_our_code(result.stdout + result.stderr)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]

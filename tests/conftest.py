@@ -20,6 +20,13 @@ PROBES = {"fsdp2_tp_pretrain.py": ("tests/tp_probe.py", "TP_PROBE"),
           "fsdp2_cp_pretrain.py": ("tests/cp_probe.py", "CP_PROBE")}
 
 
+def pytest_collection_finish(session):
+    """The GPU check's dry run starts as soon as the suite is collected, beside the other tests (test_gpu_check.py)."""
+    dry_run_test = next((item for item in session.items if item.path.name == "test_gpu_check.py"), None)
+    if dry_run_test is not None:
+        dry_run_test.module.start_dry_run()
+
+
 @pytest.fixture(scope="session")
 def ddp_one_process(tmp_path_factory):
     """DDP on one process with --grad-accum 2, the tiny run's samples: what tensor parallelism (dp 1) and pipeline

@@ -98,11 +98,11 @@ import prepare_data  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------- the settings
 if cli.dry_run:
-    MODEL, BUCKET, SECOND_BUCKET, TOKENS_PER_BATCH, STEPS, SKIP = "tiny", 128, 64, 512, 6, 2
-    SFT_BUCKETS, SFT_STEPS = (128, 256), 8
+    MODEL, BUCKET, SECOND_BUCKET, TOKENS_PER_BATCH, STEPS, SKIP, SFT_BUCKETS = "tiny", 128, 64, 512, 6, 2, (128, 256)
 else:
     MODEL, BUCKET, SECOND_BUCKET, TOKENS_PER_BATCH, STEPS, SKIP = "qwen2-0.5b", 2048, 1024, 16384, 40, 10
-    SFT_BUCKETS, SFT_STEPS = (4096, 8192), 8
+    SFT_BUCKETS = (4096, 8192)
+SFT_STEPS = 8
 # Each part's time bound (seconds) and the time kept for it while earlier parts run: what it takes on an H100.
 BOUNDS = {"A": 120, "A compiled": 200, "B": 120, "C": 200, "D": 150, "E": 240}
 KEPT = {"A": 40, "A compiled": 90, "B": 50, "C": 90, "D": 50, "E": 100}
@@ -117,8 +117,10 @@ PEAK_FLOPS = next((flops for name, flops in metrics.PEAK_BF16_FLOPS.items() if n
 tokenizer = common.get_tokenizer()
 documents = tokenizer.encode_ordinary_batch(list(prepare_data.builtin_documents()))
 DOCUMENT_TOKENS, N_DOCUMENTS = 30 * (BUCKET - 1) + 1 - 16, 18
+# A conversation is its reply and 8 tokens more: the short ones fill the small bucket, the long ones are cut to the big.
+reply_tokens = [SFT_BUCKETS[0] - 24] * 12 + [SFT_BUCKETS[1] + 256] * 12
 stream, rng = [], random.Random(0)
-while len(stream) < DOCUMENT_TOKENS * N_DOCUMENTS + SFT_BUCKETS[1] * 24:
+while len(stream) < max(DOCUMENT_TOKENS * N_DOCUMENTS, sum(reply_tokens)):
     rng.shuffle(documents)
     stream += [token for document in documents for token in document]
 
@@ -134,8 +136,6 @@ def write_jsonl(path, rows):
 
 long_text = write_jsonl(work / "long_text.jsonl", [{"text": text(i * DOCUMENT_TOKENS, DOCUMENT_TOKENS)}
                                                    for i in range(N_DOCUMENTS)])
-# A conversation is its reply and 8 tokens more: the short ones fill the small bucket, the long ones are cut to the big.
-reply_tokens = [SFT_BUCKETS[0] - 24] * 12 + [SFT_BUCKETS[1] + 256] * 12
 long_chats = write_jsonl(work / "long_chats.jsonl", [
     {"messages": [{"role": "user", "content": "Continue the text."},
                   {"role": "assistant", "content": text(sum(reply_tokens[:i]), n)}]}

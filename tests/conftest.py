@@ -23,7 +23,7 @@ PROBES = {"fsdp2_tp_pretrain.py": ("tests/tp_probe.py", "TP_PROBE"),
 def pytest_collection_finish(session):
     """The GPU check's dry run starts as soon as the suite is collected, beside the other tests (test_gpu_check.py)."""
     dry_run_test = next((item for item in session.items if item.path.name == "test_gpu_check.py"), None)
-    if dry_run_test is not None:
+    if dry_run_test is not None and not session.config.option.collectonly:
         dry_run_test.module.start_dry_run()
 
 

@@ -3,9 +3,11 @@ and read what they write."""
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -55,15 +57,16 @@ def run_script(script, *flags, nproc=1, torchrun=False, timeout=600, env=None):
     return run_ranks([PYTHON, *command], nproc, full_env, timeout)
 
 
+def free_port():
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        return free.getsockname()[1]
+
+
 def run_ranks(command, nproc, env, timeout):
     """COMMAND as ranks 0..NPROC-1 of one process group on this machine; stdout and stderr are rank 0's, then rank
     1's, and so on; the exit status the first failed rank's (0 if none failed)."""
-    import socket
-    import time
-
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
+    port = free_port()
     outputs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(nproc)]
     group = {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
              "MASTER_PORT": str(port)}

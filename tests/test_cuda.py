@@ -32,12 +32,10 @@ PRETRAINING = {  # run name: the script and its flags beyond TINY_STEPS and --da
     "fsdp2_cp_pretrain": ["fsdp2_cp_pretrain.py", "--cp", 1],
     "pp_pretrain": ["pp_pretrain.py", "--pp", 1],
 }
-if not PIPELINE_SCALES_LOSS:
-    del PRETRAINING["pp_pretrain"]
 PIPELINE_MARK = pytest.mark.skipif(not PIPELINE_SCALES_LOSS,
                                    reason=f"torch {torch.__version__}'s pipeline schedules take no loss_kwargs")
-RUNS = [*[name for name in PRETRAINING if name != "pp_pretrain"], pytest.param("pp_pretrain", marks=PIPELINE_MARK),
-        "fsdp2_sft", "fsdp2_grpo"]
+RUNS = [pytest.param(name, marks=PIPELINE_MARK) if name == "pp_pretrain" else name
+        for name in [*PRETRAINING, "fsdp2_sft", "fsdp2_grpo"]]
 
 
 def start(script, *flags, log):
@@ -57,7 +55,7 @@ def cuda_runs(tmp_path_factory):
                    check=True, capture_output=True)
     processes = {name: start(*script_flags[:1], *TINY_STEPS, *script_flags[1:], "--data", root / "builtin",
                              "--out-dir", root / name, log=root / f"{name}.log")
-                 for name, script_flags in PRETRAINING.items()}
+                 for name, script_flags in PRETRAINING.items() if name != "pp_pretrain" or PIPELINE_SCALES_LOSS}
     processes["fsdp2_pretrain"].wait(timeout=300)
     processes["fsdp2_sft"] = start("fsdp2_sft.py", *TINY_STEPS, "--data", "builtin", "--init-from",
                                    root / "fsdp2_pretrain", "--out-dir", root / "fsdp2_sft", log=root / "fsdp2_sft.log")

@@ -1,18 +1,11 @@
 """Two torchrun agents (two "nodes", one process each) meeting through c10d rendezvous on loopback train
 exactly as one agent with two processes does."""
 import os
-import socket
 import subprocess
 
 import pytest
 
-from helpers import PYTHON, REPO, TINY_RUN, read_metrics
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from helpers import PYTHON, REPO, TINY_RUN, free_port, read_metrics
 
 
 def test_two_agents_on_loopback_match_one_agent_with_two_processes(tiny_run, tmp_path):

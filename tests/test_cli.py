@@ -1,13 +1,16 @@
 """What a user sees before and as a run starts: --help with each flag's effective default, one error line for a flag
 out of its range or not honoured, --max-tokens, the start block and config.json, the progress bar."""
+import contextlib
+import io
 import json
 import re
-from concurrent.futures import ThreadPoolExecutor
+import runpy
+import sys
 
 import pytest
 
 import common
-from helpers import check, run_script
+from helpers import REPO, check, run_script
 
 STAGES = {"ddp_pretrain.py": "train", "fsdp1_pretrain.py": "train", "fsdp2_pretrain.py": "train",
           "fsdp2_tp_pretrain.py": "train", "fsdp2_cp_pretrain.py": "train", "pp_pretrain.py": "train",
@@ -16,12 +19,18 @@ STAGES = {"ddp_pretrain.py": "train", "fsdp1_pretrain.py": "train", "fsdp2_pretr
 
 @pytest.fixture(scope="module")
 def help_texts():
-    """{script: what `python SCRIPT --help` prints}, two scripts at a time: each spends its seconds importing torch."""
-    def help_of(script):
-        return check(run_script(script, "--help", env={"COLUMNS": "120"})).stdout  # wrapped alike on any terminal
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(zip(STAGES, pool.map(help_of, STAGES)))
+    """{script: what `python SCRIPT --help` prints}: the script's own code, run in this process up to argparse's exit
+    (its imports are made already; test_bad_input.py's COMMAND_LINE cases run the scripts as a user does)."""
+    texts = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("COLUMNS", "120")  # wrapped alike on any terminal
+        for script in STAGES:
+            patch.setattr(sys, "argv", [script, "--help"])
+            with contextlib.redirect_stdout(io.StringIO()) as stdout, pytest.raises(SystemExit) as exit:
+                runpy.run_path(str(REPO / script), run_name="__main__")
+            assert exit.value.code == 0
+            texts[script] = stdout.getvalue()
+    return texts
 
 
 def flag_blocks(text):

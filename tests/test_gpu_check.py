@@ -20,8 +20,7 @@ INDUCTOR_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR",
 
 
 def start_dry_run():
-    """Start the dry run in the background. conftest.py calls this as soon as the suite is collected: the dry run is
-    about 100 s of mostly one process, and the other tests leave a core idle a third of the time."""
+    """Start the dry run in the background: conftest.py does, beside the tests that leave a core idle."""
     folder = Path(tempfile.mkdtemp(prefix="gpu-check-dry-run-"))
     with open(folder / "stdout", "w") as stdout, open(folder / "stderr", "w") as stderr:
         process = subprocess.Popen([PYTHON, "benchmarks/gpu_check.py", "--dry-run", "--out", folder / "out"], cwd=REPO,

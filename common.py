@@ -40,8 +40,8 @@ class UsageError(ReportedError):
 
 def error_reason(error):
     """One line saying what went wrong, for an error message: the first line of the innermost cause (a library's
-    wrapper says less than what it wraps), or its type's name when it has no message. A report must never raise
-    itself: an empty message once made it an IndexError."""
+    wrapper says less than what it wraps), or its type's name when it has no message (or a broken __str__): a report
+    never raises itself."""
     while error.__cause__ is not None:
         error = error.__cause__
     try:
@@ -92,9 +92,9 @@ warnings.filterwarnings("ignore", message=".*_get_pg_default_device.*|Multiple b
 # Presets. Each one also carries the training defaults that fit it, one set per training script's kind; any flag
 # overrides them.
 
-# rope_theta, the RoPE base: Qwen2's 1,000,000 serves 32K-token contexts; within the few dozen tokens of a CPU preset's
-# sample its rotations barely turn, and the small SFT then took 2-3x the steps to learn to copy operands, how many
-# depending on the seed. 10,000 (the base of contexts up to a few thousand tokens) for the CPU presets.
+# rope_theta, the RoPE base: Qwen2's 1,000,000 serves 32K-token contexts; over a CPU preset's few dozen tokens its
+# rotations barely turn, so positions are hard to tell apart. The CPU presets take 10,000, the base for contexts of up
+# to a few thousand tokens.
 MODEL_PRESETS = {
     # Two layers, for tests: a step takes milliseconds on a CPU.
     "tiny": dict(
@@ -118,8 +118,8 @@ MODEL_PRESETS = {
         sft=dict(buckets=[68, 96], tokens_per_batch=512, lr=3e-3, warmup_steps=30, max_steps=1500, eval_every=150,
                  save_every=500, eval_generate=50),
         # RL on the built-in RL set (the solve family's questions), from the finished SFT; a bucket holds a prompt and
-        # its worked reply (about 75 tokens) and a rank's 64 replies a step are one micro-batch. 30 steps: the worked
-        # mode is selected by step 15 and the held-out accuracy is 100% at step 15 (docs/rl.md).
+        # its worked reply (about 75 tokens) and a rank's 64 replies a step are one micro-batch. 30 steps: what
+        # docs/rl.md's run needs to reach its held-out accuracy.
         grpo=dict(buckets=[96], tokens_per_batch=6144, lr=1e-4, min_lr_ratio=1.0, warmup_steps=5, max_steps=30,
                   eval_every=15, save_every=15, prompts_per_step=8, eval_generate=200),
     ),

@@ -106,7 +106,7 @@ for layer in model.model.layers:  # one unit per decoder layer, sharded over the
 fully_shard(model, mesh=mesh["dp"], mp_policy=mixed_precision)  # the root: embedding, tied head, final norm
 
 # ---------------------------------------------------------------------------------------------- optimizer
-# Matrices decay; biases and norm gains do not. Decided by name: under FSDP1 every parameter is a flat 1-D shard.
+# Matrices decay; biases and norm gains do not: decided by name, one rule in every script (FSDP1 flattens shapes).
 decay = [p for name, p in model.named_parameters() if not (name.endswith("bias") or "norm" in name)]
 no_decay = [p for name, p in model.named_parameters() if name.endswith("bias") or "norm" in name]
 groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -151,7 +151,7 @@ if resume_dir is not None:
         print(f"resumed from {resume_dir} at step {step}")
 
 
-def make_schedule(split, epoch, grad_accum, order):  # a mixture's epoch: each source its share of the tokens
+def make_schedule(split, epoch, grad_accum, order):  # a split's epoch (a mixture's: each source its token share)
     return data.epoch_schedule(split.lengths, args.buckets, args.tokens_per_batch, dp_size, grad_accum, args.seed,
                                epoch, order, data.epoch_samples(split, args.seed, epoch))
 

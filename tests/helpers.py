@@ -74,16 +74,21 @@ def start_process(command, env, stdout, stderr):
     differs from the zygote's only in RUN_TIME_VARIABLES, else a fresh process."""
     with ZYGOTE_LOCK:
         if not ZYGOTE:
-            folder = Path(tempfile.mkdtemp(prefix="zygote-"))
+            # A short path: a Unix socket's is at most 107 bytes.
+            folder = Path(tempfile.mkdtemp(prefix="zygote-", dir="/tmp" if os.path.isdir("/tmp") else None))
             zygote_env = {**os.environ, **BASE_ENV}
-            process = subprocess.Popen([PYTHON, str(REPO / "tests" / "zygote.py"), str(folder / "socket")], cwd=REPO,
-                                       env=zygote_env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                       stderr=open(folder / "stderr", "w"))
+            with open(folder / "stderr", "w") as zygote_stderr:
+                process = subprocess.Popen([PYTHON, str(REPO / "tests" / "zygote.py"), str(folder / "socket")],
+                                           cwd=REPO, env=zygote_env, stdin=subprocess.DEVNULL,
+                                           stdout=subprocess.DEVNULL, stderr=zygote_stderr)
             ZYGOTE.update(process=process, socket=folder / "socket", env=zygote_env)
             atexit.register(process.kill)
     differing = {key for key in env.keys() | ZYGOTE["env"].keys() if env.get(key) != ZYGOTE["env"].get(key)}
     if differing <= RUN_TIME_VARIABLES and ZYGOTE["process"].poll() is None:
-        return Forked([PYTHON, *command], env, stdout, stderr)
+        try:
+            return Forked([PYTHON, *command], env, stdout, stderr)
+        except (OSError, ValueError):  # no zygote to answer (its stderr file says why): a fresh process does the same
+            pass
     with open(stdout, "w") as out, open(stderr, "w") as err:
         return subprocess.Popen([PYTHON, *command], cwd=REPO, env=env, stdout=out, stderr=err)
 

@@ -1,11 +1,11 @@
 """Run a training script and SIGKILL one of its ranks at a chosen moment, as a preempted node or an OOM kill would:
 
-    CRASH_RANK=1 CRASH_AT=step:15 torchrun --nproc_per_node=2 tests/crash.py SCRIPT.py [flags]
+    CRASH_RANK=1 CRASH_AT=step:5 torchrun --nproc_per_node=2 tests/crash.py SCRIPT.py [flags]
 
-CRASH_AT is `step:N` (just before the Nth optimizer step), `rollout:N` (fsdp2_grpo.py: in the middle of the Nth
-step's sampling, the other ranks inside their synced generation) or `save:N` (in the middle of writing checkpoint
-step_N: DDP's rank 0 dies with half of checkpoint.pt written; under DCP, the rank dies as it starts the last
-dcp.save into the folder, the optimizer's for FSDP2). Just before dying, the rank writes the time to
+CRASH_AT is `step:N` (just before this process's Nth optimizer step), `rollout:N` (fsdp2_grpo.py: in the middle of
+this process's Nth step's sampling, the other ranks inside their synced generation) or `save:N` (in the middle of
+writing checkpoint step_N: DDP's rank 0 dies with half of checkpoint.pt written; under DCP, the rank dies as it starts
+the last dcp.save into the folder, the optimizer's for FSDP2). Just before dying, the rank writes the time to
 CRASH_STAMP, so a test can measure how long the rest of the job takes to notice. The scripts are not modified:
 this file patches the library calls they make, then runs the script as __main__.
 """

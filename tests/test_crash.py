@@ -1,5 +1,7 @@
 """Crashes lose nothing. A rank SIGKILLed mid-run or mid-save (tests/crash.py) ends the whole job within seconds,
 leaves the newest complete checkpoint intact, and --resume then trains exactly the steps the uninterrupted run did.
+Each crashed run resumes the shared tiny run's step_10 (as a run restarted after a first crash would) and dies at step
+12 or in its save of step 20, so it trains one or ten steps before the kill, not twelve or twenty.
 A loss driven to inf/NaN stops every rank before the update, so no checkpoint ever holds it."""
 import json
 import math
@@ -19,18 +21,19 @@ from helpers import (
     TINY_RUN,
     assert_same_weights_and_moments,
     check,
+    copy_checkpoint,
     read_metrics,
     run_script,
     traceback_through_our_code,
     tree_hashes,
 )
 
-CRASHES = {  # script, moment (tests/crash.py's CRASH_AT), rank killed
+CRASHES = {  # script, moment (tests/crash.py's CRASH_AT: counted from the resumed step 10), rank killed
     "ddp mid-save": ("ddp_pretrain.py", "save:20", 0),  # DDP's rank 0 writes the checkpoint alone
     "fsdp2 mid-save": ("fsdp2_pretrain.py", "save:20", 1),  # model/ written, optimizer/ not
-    "tp mid-run": ("fsdp2_tp_pretrain.py", "step:12", 1),  # dp 1 x tp 2: the killed rank holds half of each layer
-    "pp mid-run": ("pp_pretrain.py", "step:12", 1),  # 2 stages: the last one dies, the first waits on its sends
-    "grpo mid-rollout": ("fsdp2_grpo.py", "rollout:12", 1),  # rank 0 waits inside its synced generation
+    "tp mid-run": ("fsdp2_tp_pretrain.py", "step:2", 1),  # step 12; dp 1 x tp 2: the killed rank holds half a layer
+    "pp mid-run": ("pp_pretrain.py", "step:2", 1),  # step 12; 2 stages: the last one dies, the first waits on its sends
+    "grpo mid-rollout": ("fsdp2_grpo.py", "rollout:2", 1),  # step 12; rank 0 waits inside its synced generation
 }
 
 
@@ -43,20 +46,21 @@ def flags_of(script, tiny_run):
 
 @pytest.fixture(scope="module")
 def crashed(tmp_path_factory, tiny_run):
-    """crashed(case): (out_dir, CompletedProcess, seconds from the kill to the job's exit) of TINY_RUN with one rank
-    SIGKILLed; made once per module."""
+    """crashed(case): (out_dir, CompletedProcess, seconds from the kill to the job's exit, sha256 of step_10's files
+    before the run) of TINY_RUN resumed from its step_10 with one rank SIGKILLed; made once per module."""
     runs = {}
 
     def get(case):
         if case not in runs:
             script, moment, victim = CRASHES[case]
-            out = tmp_path_factory.mktemp(case.replace(" ", "_")) / "run"
+            out = copy_checkpoint(tiny_run(script)[0], 10, tmp_path_factory.mktemp(case.replace(" ", "_")) / "run")
+            before = tree_hashes(out / "checkpoints" / "step_10")
             stamp = out.parent / "killed_at"
-            result = run_script("tests/crash.py", script, *flags_of(script, tiny_run), "--out-dir", out, nproc=2,
-                                torchrun=True,
+            result = run_script("tests/crash.py", script, *flags_of(script, tiny_run), "--out-dir", out, "--resume",
+                                nproc=2, torchrun=True,
                                 env={"CRASH_AT": moment, "CRASH_RANK": str(victim), "CRASH_STAMP": str(stamp)})
             assert stamp.exists(), f"no rank was killed\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-            runs[case] = (out, result, time.time() - float(stamp.read_text()))
+            runs[case] = (out, result, time.time() - float(stamp.read_text()), before)
         return runs[case]
 
     return get
@@ -64,31 +68,25 @@ def crashed(tmp_path_factory, tiny_run):
 
 @pytest.mark.parametrize("case", ["ddp mid-save", "tp mid-run", "pp mid-run", "grpo mid-rollout"])
 def test_killing_one_of_two_ranks_ends_the_job_with_an_error_within_60_seconds(case, crashed):
-    _, result, seconds_after_kill = crashed(case)
+    _, result, seconds_after_kill, _ = crashed(case)
     assert result.returncode != 0
     assert seconds_after_kill < 60, f"the job took {seconds_after_kill:.0f} s to end after a rank died"
 
 
 @pytest.mark.parametrize("case", CRASHES)
-def test_a_crash_leaves_the_newest_complete_checkpoint_as_it_was(case, crashed, tiny_run):
-    out, result, _ = crashed(case)
-    script, moment, _ = CRASHES[case]
-    assert result.returncode != 0
+def test_a_crash_leaves_the_newest_complete_checkpoint_as_it_was(case, crashed):
+    out, result, _, before = crashed(case)
+    _, moment, _ = CRASHES[case]
+    assert result.returncode != 0 and "step_10 at step 10" in result.stdout  # it resumed, then died
     assert [p.name for p in checkpoints.complete_checkpoints(out / "checkpoints")] == ["step_10"]
-    # The same flags and seed as the shared uninterrupted run: its step_10 holds the very same tensors, byte for byte
-    # (DCP's .metadata records the folder's own path, and meta.json that file's size; the rest must be equal).
-    def tensor_files(run):
-        return {name: digest for name, digest in tree_hashes(run / "checkpoints" / "step_10").items()
-                if not name.endswith((".metadata", "meta.json"))}
-
-    assert tensor_files(out) == tensor_files(tiny_run(script)[0])
+    assert tree_hashes(out / "checkpoints" / "step_10") == before  # every file byte for byte
     if moment.startswith("save"):  # it really died mid-save: the half-written folder is there, never committed
         assert (out / "checkpoints" / ".partial_step_20").is_dir()
 
 
 @pytest.mark.parametrize("case", CRASHES)
 def test_resume_after_a_crash_trains_the_same_steps_as_the_uninterrupted_run(case, crashed, tiny_run, tmp_path):
-    crashed_dir, _, _ = crashed(case)
+    crashed_dir, _, _, _ = crashed(case)
     script, _, _ = CRASHES[case]
     out = shutil.copytree(crashed_dir, tmp_path / "run")
     result = check(run_script(script, *flags_of(script, tiny_run), "--out-dir", out, "--resume", nproc=2))
@@ -97,7 +95,7 @@ def test_resume_after_a_crash_trains_the_same_steps_as_the_uninterrupted_run(cas
     assert [p.name for p in checkpoints.complete_checkpoints(out / "checkpoints")] == ["step_10", "step_20"]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [row["step"] for row in rows if "loss" in row]
-    assert steps == list(range(1, 21))  # the crashed run's rows after step 10 were dropped, each step logged once
+    assert steps == list(range(11, 21))  # the crashed run's rows after step 10 were dropped, each step logged once
     uninterrupted, _ = read_metrics(tiny_run(script)[0])
     resumed, _ = read_metrics(out)
     for step in range(11, 21):

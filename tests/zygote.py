@@ -11,6 +11,7 @@ zygote answers the child's pid, then its exit status as Popen gives it (-N for s
 from the environment at import time is the zygote's: helpers.py starts a fresh process for a run whose environment
 differs there (TORCH_LOGS, say).
 """
+import gc
 import json
 import os
 import runpy
@@ -36,6 +37,9 @@ import data  # noqa: E402,F401  (prepare_data, tasks)
 import metrics  # noqa: E402,F401
 
 set_by_imports = {key: value for key, value in os.environ.items() if base_env.get(key) != value}
+# The imports' objects, which every child inherits, leave the collector's view: a child's collections and its exit
+# then neither walk them nor copy their pages (Python's documented use of gc.freeze before fork).
+gc.freeze()
 
 
 def serve(path):

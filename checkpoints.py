@@ -44,12 +44,14 @@ def newest_checkpoint(path):
     return found[-1] if found else None
 
 
-def commit_checkpoint(partial_dir, args, script, step, world_size, data_order):
+def commit_checkpoint(partial_dir, args, script, step, world_size, data_order, resumed_by, chat_format=False):
     """Rank 0, once every rank has written: add meta.json, rename to step_<N>, drop the oldest beyond --keep-last.
-    meta.json lets --resume, generate.py and export_hf.py check a checkpoint without reading the weights."""
+    meta.json lets --resume, generate.py and export_hf.py check a checkpoint without reading the weights; resumed_by
+    names the scripts that may resume it, chat_format whether its model learned the chat format and its markers."""
     files = {str(f.relative_to(partial_dir)): f.stat().st_size for f in sorted(partial_dir.rglob("*")) if f.is_file()}
-    meta = {"script": script, "model": args.model, "model_config": common.MODEL_PRESETS[args.model]["model"],
-            "vocab_size": common.VOCAB_SIZE, "step": step, "world_size": world_size, "data": args.data,
+    meta = {"script": script, "resumed_by": resumed_by, "chat_format": chat_format, "model": args.model,
+            "model_config": common.MODEL_PRESETS[args.model]["model"], "vocab_size": common.VOCAB_SIZE, "step": step,
+            "world_size": world_size, "data": args.data,
             "config": common.flag_values(args),  # a resume says which flags it changed (check_resume)
             "data_order": data_order,  # what a resume may not change (check_resume)
             "files": files}  # every file's size: a truncated or missing file is caught before anything loads
@@ -99,15 +101,6 @@ def read_meta(checkpoint_dir, flag):
 # ----------------------------------------------------------------------------------------------
 # --resume and --init-from: found and checked before any rank talks.
 
-# Scripts whose checkpoints are one format (DCP; model and optimizer saved apart, keyed by the model's own names; the
-# same data order): each resumes, or starts from, the other's, and DCP reshards it to its own mesh.
-SAME_FORMAT = [{"fsdp2_pretrain", "fsdp2_tp_pretrain", "fsdp2_cp_pretrain", "pp_pretrain"}]
-
-
-def same_format(script, other):
-    return script == other or any({script, other} <= scripts for scripts in SAME_FORMAT)
-
-
 def find_resume_checkpoint(args, checkpoint_root, script):
     """The checkpoint folder --resume asks for (None for a fresh run)."""
     existing = complete_checkpoints(checkpoint_root)
@@ -124,9 +117,10 @@ def find_resume_checkpoint(args, checkpoint_root, script):
     else:
         checkpoint_dir = Path(args.resume)
     meta = read_meta(checkpoint_dir, "--resume")
-    if not same_format(meta["script"], script):
+    resumed_by = meta.get("resumed_by", [meta["script"]])  # the scripts its writer named (DCP reshards to each mesh)
+    if script not in resumed_by:
         raise common.UsageError(f"--resume {checkpoint_dir} was written by {meta['script']}.py, not {script}.py: "
-                                f"resume it with {meta['script']}.py")
+                                f"resume it with {' or '.join(f'{name}.py' for name in resumed_by)}")
     if meta["model"] != args.model:
         raise common.UsageError(f"--resume {checkpoint_dir} holds a '{meta['model']}' model: pass --model "
                                 f"{meta['model']}")
@@ -173,9 +167,9 @@ def check_resume(resume_dir, args, data_order):
 
 def find_init_checkpoint(args, source=None, chat_models_only=False):
     """--init-from: a checkpoint folder, a run folder (its newest checkpoint) or an export_hf.py folder. With a source
-    (the SFT, GRPO: they read DCP's model folder, shard by shard), by default the newest under runs/<source>, and a
-    checkpoint in fsdp2_pretrain.py's format, a chat model's, or an export; with chat_models_only, only a model that
-    learned the chat format. With none (pretraining: the whole model is read, load_checkpoint_model), any script's."""
+    (a script that reads DCP's model/ folder shard by shard), by default the newest under runs/<source>, and only a
+    checkpoint that has that folder, or an export; with chat_models_only, only a model that learned the chat format.
+    With none (the whole model is read, load_checkpoint_model), any script's."""
     path = Path(args.init_from or f"runs/{source}")
     checkpoint_dir = newest_checkpoint(path)
     if checkpoint_dir is None and source:
@@ -189,11 +183,10 @@ def find_init_checkpoint(args, source=None, chat_models_only=False):
     if chat_models_only and not knows_chat_format(meta):
         raise common.UsageError(f"--init-from {checkpoint_dir} was written by {meta['script']}.py (its model never "
                                 f"learned the chat format and its markers): start from a {source}.py checkpoint")
-    if source and not (meta["script"] in common.CHAT_SCRIPTS or meta.get("hf") or
-                       same_format(meta["script"], "fsdp2_pretrain")):
-        readable = ", ".join(f"{script}.py" for script in [*sorted(SAME_FORMAT[0]), *common.CHAT_SCRIPTS])
-        raise common.UsageError(f"--init-from {checkpoint_dir} was written by {meta['script']}.py: start from a "
-                                f"checkpoint of {readable}, or an export_hf.py folder")
+    if source and not (meta.get("hf") or (checkpoint_dir / "model").is_dir()):
+        raise common.UsageError(f"--init-from {checkpoint_dir} was written by {meta['script']}.py, whose checkpoints "
+                                f"hold no model/ folder: start from a checkpoint of a script built on FSDP2, or an "
+                                f"export_hf.py folder")
     if meta["model"] != args.model:
         raise common.UsageError(f"--init-from {checkpoint_dir} holds a '{meta['model']}' model: pass --model "
                                 f"{meta['model']}, or another --init-from")
@@ -201,11 +194,10 @@ def find_init_checkpoint(args, source=None, chat_models_only=False):
 
 
 def knows_chat_format(meta):
-    """Whether a checkpoint's model learned the chat format and its markers: a chat script's, or a pretraining run's
-    whose --data held builtin-chat (midtraining)."""
+    """Whether a checkpoint's model learned the chat format and its markers: its writer says so (chat_format), or its
+    --data held builtin-chat (midtraining)."""
     sources = meta.get("data") if isinstance(meta.get("data"), list) else [meta.get("data")]
-    return meta["script"] in common.CHAT_SCRIPTS or any(str(item).split(":")[0] == common.CHAT_AS_TEXT
-                                                          for item in sources)
+    return meta.get("chat_format", False) or any(str(item).split(":")[0] == common.CHAT_AS_TEXT for item in sources)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -252,11 +244,12 @@ def resolve_checkpoint(path):
 
 def load_checkpoint_model(checkpoint_dir, device="cpu"):
     """A plain, unsharded model with the weights of a checkpoint of any script (or an exported folder), in one
-    process and with no process group: DCP reads sharded checkpoints into whole tensors by itself.
+    process and with no process group: DCP reads sharded checkpoints into whole tensors by itself. The layout is told
+    by the files:
 
-        ddp_pretrain     checkpoint.pt["model"]            (torch.save by rank 0)
-        fsdp1_pretrain   the app state's "model" entry     (DCP, one Stateful app state)
-        fsdp2_*          model/                            (DCP, model saved apart from the optimizer)
+        checkpoint.pt    its "model" entry                 (torch.save by rank 0: DDP)
+        model/           the whole folder                  (DCP, model saved apart from the optimizer: FSDP2)
+        otherwise        the app state's "model" entry     (DCP, one Stateful app state: FSDP1)
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -267,12 +260,12 @@ def load_checkpoint_model(checkpoint_dir, device="cpu"):
     try:
         if meta.get("hf"):
             state = hf_state_dict(checkpoint_dir)
-        elif meta["script"] == "ddp_pretrain":
+        elif (Path(checkpoint_dir) / "checkpoint.pt").is_file():
             state = torch.load(Path(checkpoint_dir) / "checkpoint.pt", map_location="cpu", weights_only=True)["model"]
-        elif meta["script"] == "fsdp1_pretrain":
-            dcp.load({"app": {"model": state}}, checkpoint_id=checkpoint_dir)  # reads only the model's entries
-        else:
+        elif (Path(checkpoint_dir) / "model").is_dir():
             dcp.load(state, checkpoint_id=Path(checkpoint_dir) / "model")
+        else:
+            dcp.load({"app": {"model": state}}, checkpoint_id=checkpoint_dir)  # reads only the model's entries
         model.load_state_dict(state)
     except (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError, CheckpointException) as exc:
         # The sizes were right (read_meta), the bytes or the tensors are not: say which checkpoint, in one line.

@@ -135,7 +135,6 @@ MODEL_PRESETS = {
                   save_every=100, prompts_per_step=8, eval_generate=200),
     ),
 }
-CHAT_SCRIPTS = ("fsdp2_sft", "fsdp2_grpo")  # their models know the chat format and its markers
 CHAT_AS_TEXT = "builtin-chat"  # pretraining's source of the built-in conversations, in the chat format, all targets
 
 

@@ -25,6 +25,8 @@ import metrics
 import modeling
 
 SCRIPT = Path(__file__).stem  # names the run folder and is recorded in every checkpoint
+# The scripts that resume its checkpoints (recorded in each): the same format and data order.
+RESUMED_BY = [SCRIPT]
 
 # ---------------------------------------------------------------------------------------------- setup
 rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -89,7 +91,7 @@ def save_checkpoint(step, data_position):
                     "optimizer": optimizer.state_dict(), "step": step, "data_position": data_position,
                     "rng": torch.get_rng_state()},  # rank 0's: every rank seeds alike and the model has no dropout
                    partial_dir / "checkpoint.pt")
-        checkpoints.commit_checkpoint(partial_dir, args, SCRIPT, step, world_size, data_order)
+        checkpoints.commit_checkpoint(partial_dir, args, SCRIPT, step, world_size, data_order, RESUMED_BY)
     dist.barrier()  # nobody runs ahead (or exits) before the checkpoint is committed
 
 

@@ -82,7 +82,7 @@ def export(checkpoint, out_dir):
     model, meta = checkpoints.load_checkpoint_model(checkpoint_dir)
     model = llama_model(model)
     model.generation_config.pad_token_id = common.EOT_ID
-    if meta["script"] in common.CHAT_SCRIPTS:  # a chat model ends its reply with <|end_of_turn|>
+    if meta.get("chat_format"):  # a chat model ends its reply with <|end_of_turn|>
         model.generation_config.eos_token_id = [common.SPECIAL_TOKENS[common.END_OF_TURN], common.EOT_ID]
 
     partial_dir = out_dir.with_name(f".partial_{out_dir.name}")  # renamed once complete, like the checkpoints

@@ -31,6 +31,8 @@ import metrics
 import modeling
 
 SCRIPT = Path(__file__).stem  # names the run folder and is recorded in every checkpoint
+# The scripts that resume its checkpoints (recorded in each): the same format and data order.
+RESUMED_BY = [SCRIPT]
 
 # ---------------------------------------------------------------------------------------------- setup
 rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -117,7 +119,7 @@ def save_checkpoint(step, data_position):
     dist.barrier()  # the folder exists before anyone writes into it
     dcp.save({"app": AppState(step, data_position)}, checkpoint_id=partial_dir)
     if rank == 0:
-        checkpoints.commit_checkpoint(partial_dir, args, SCRIPT, step, world_size, data_order)
+        checkpoints.commit_checkpoint(partial_dir, args, SCRIPT, step, world_size, data_order, RESUMED_BY)
     dist.barrier()  # nobody runs ahead (or exits) before the checkpoint is committed
 
 

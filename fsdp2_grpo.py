@@ -36,6 +36,8 @@ import modeling
 import tasks
 
 SCRIPT = Path(__file__).stem  # names the run folder and is recorded in every checkpoint
+# The scripts that resume its checkpoints (recorded in each): the same format and data order.
+RESUMED_BY = [SCRIPT]
 
 # ---------------------------------------------------------------------------------------------- setup
 rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -140,7 +142,8 @@ def save_checkpoint(step, data_position):
     dcp.save(get_model_state_dict(model), checkpoint_id=partial_dir / "model")  # DTensor shards, named as in the model
     dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=partial_dir / "optimizer")  # keyed by name too
     if rank == 0:
-        checkpoints.commit_checkpoint(partial_dir, args, SCRIPT, step, world_size, data_order)
+        checkpoints.commit_checkpoint(partial_dir, args, SCRIPT, step, world_size, data_order, RESUMED_BY,
+                                      chat_format=True)
     dist.barrier()  # nobody runs ahead (or exits) before the checkpoint is committed
 
 

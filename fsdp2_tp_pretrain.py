@@ -28,6 +28,8 @@ import metrics
 import modeling
 
 SCRIPT = Path(__file__).stem  # names the run folder and is recorded in every checkpoint
+# The scripts that resume its checkpoints (recorded in each): the same format and data order.
+RESUMED_BY = ["fsdp2_pretrain", "fsdp2_tp_pretrain", "fsdp2_cp_pretrain", "pp_pretrain"]
 
 # ---------------------------------------------------------------------------------------------- setup
 rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -126,7 +128,7 @@ def save_checkpoint(step, data_position):
     dcp.save(get_model_state_dict(model), checkpoint_id=partial_dir / "model")  # DTensor shards, named as in the model
     dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=partial_dir / "optimizer")  # keyed by name too
     if rank == 0:
-        checkpoints.commit_checkpoint(partial_dir, args, SCRIPT, step, world_size, data_order)
+        checkpoints.commit_checkpoint(partial_dir, args, SCRIPT, step, world_size, data_order, RESUMED_BY)
     dist.barrier()  # nobody runs ahead (or exits) before the checkpoint is committed
 
 

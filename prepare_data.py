@@ -394,7 +394,7 @@ if __name__ == "__main__":
     common.add_data_arguments(parser.add_argument)
     parser.add_argument("--out-dir", required=True, help="the prepared folder to write (must not exist yet)")
     parser.add_argument("--sft", action="store_true",
-                        help="conversations for fsdp2_sft.py (tokens plus a loss mask), not pretraining text")
+                        help="conversations (tokens plus a loss mask on the replies), not pretraining text")
     parser.add_argument("--workers", type=common.COUNT, default=available_cores(),
                         help="tokenizing processes (the default: one per core)")
     args = parser.parse_args()

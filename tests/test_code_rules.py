@@ -99,6 +99,29 @@ def test_no_shared_module_branches_on_the_stage(module):
         assert name != "stage", f"{module}.py:{node.lineno}: reads a stage"
 
 
+SCRIPT_NAMES = [script.removesuffix(".py") for script in TRAINING_SCRIPTS]
+
+
+@pytest.mark.parametrize("module", sorted(SHARED_IMPORTS))
+def test_no_shared_module_names_a_script(module):
+    """What a script's checkpoints are is said by the script (the scripts that resume them, whether its model knows the
+    chat format) or by their files (the layout): no shared module's code or docstrings (its own docstring's example
+    commands aside) hold a training script's name, a constant listing scripts, or a test of which script wrote a
+    checkpoint (meta["script"] compared or looked up)."""
+    tree = ast.parse((REPO / f"{module}.py").read_text())
+    examples = tree.body[0].value if tree.body and isinstance(tree.body[0], ast.Expr) else None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node is not examples:
+            assert not any(name in node.value for name in SCRIPT_NAMES), f"{module}.py:{node.lineno}: names a script"
+        if isinstance(node, ast.Name) and node.id.isupper():
+            assert "SCRIPT" not in node.id, f"{module}.py:{node.lineno}: {node.id} lists scripts"
+        if isinstance(node, ast.Compare):
+            for operand in [node.left, *node.comparators]:
+                is_writer = (isinstance(operand, ast.Subscript) and isinstance(operand.slice, ast.Constant)
+                             and operand.slice.value == "script")
+                assert not is_writer, f"{module}.py:{node.lineno}: decides by the script that wrote a checkpoint"
+
+
 def project_imports(path):
     """The project's modules that PATH imports anywhere in it: at the top, or lazily inside a function."""
     modules = {p.stem for p in TOP_LEVEL}

@@ -13,8 +13,8 @@ from helpers import REPO
 DIFFS = {
     ("ddp_pretrain.py", "fsdp1_pretrain.py"):  # the wrapper, its precision, its checkpoint, its no_sync and norm
         {"preamble": 14, "model": 4, "wrap": 10, "checkpoint": 36, "evaluation": 3, "training loop": 7},
-    ("fsdp1_pretrain.py", "fsdp2_pretrain.py"):  # fully_shard, ZeRO-2 as a flag, model and optimizer saved apart
-        {"preamble": 15, "setup": 2, "wrap": 14, "checkpoint": 35, "training loop": 12},
+    ("fsdp1_pretrain.py", "fsdp2_pretrain.py"):  # fully_shard, ZeRO-2, model and optimizer apart, the resuming scripts
+        {"preamble": 17, "setup": 2, "wrap": 14, "checkpoint": 35, "training loop": 12},
     ("fsdp2_pretrain.py", "fsdp2_tp_pretrain.py"):  # the 2D mesh: the tp plan, dp ranks reading, the norm's two meshes
         {"preamble": 8, "setup": 14, "data": 2, "distributed": 4, "model": 7, "tensor parallel": 15, "wrap": 6,
          "resume": 2, "evaluation": 4, "training loop": 21},
@@ -22,10 +22,11 @@ DIFFS = {
         {"preamble": 8, "setup": 13, "data": 2, "distributed": 4, "model": 7, "context parallel": 47, "wrap": 1,
          "resume": 2, "evaluation": 7, "training loop": 10},
     ("ddp_pretrain.py", "pp_pretrain.py"):  # the stage module, its schedule per bucket, the tied weight's two copies
-        {"preamble": 11, "setup": 15, "data": 2, "distributed": 5, "model": 30, "wrap": 3, "checkpoint": 28,
+        {"preamble": 13, "setup": 15, "data": 2, "distributed": 5, "model": 30, "wrap": 3, "checkpoint": 28,
          "resume": 2, "pipeline": 21, "evaluation": 7, "training loop": 26},
     ("fsdp2_pretrain.py", "fsdp2_sft.py"):  # chat data, its init read shard by shard, the marker rows, accuracy
-        {"preamble": 19, "setup": 11, "data": 6, "model": 2, "init from a checkpoint": 17, "evaluation": 16, "end": 4},
+        {"preamble": 21, "setup": 11, "data": 6, "model": 2, "init from a checkpoint": 17, "checkpoint": 3,
+         "evaluation": 16, "end": 4},
     ("fsdp2_sft.py", "fsdp2_grpo.py"):  # prompts and rewards, rollouts, the advantage and the policy-gradient loss
         {"preamble": 13, "setup": 27, "data": 16, "model": 2, "init from a checkpoint": 9, "resume": 5,
          "evaluation": 11, "rollouts": 11, "training loop": 79},

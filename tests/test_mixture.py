@@ -68,7 +68,7 @@ def test_wsd_warms_up_holds_the_peak_then_decays_to_the_floor_linearly_or_as_one
 
 
 def test_a_model_knows_the_chat_format_from_a_chat_script_or_from_builtin_chat():
-    assert checkpoints.knows_chat_format({"script": "fsdp2_sft", "data": "builtin"})
+    assert checkpoints.knows_chat_format({"chat_format": True, "data": "builtin"})
     assert checkpoints.knows_chat_format({"script": "fsdp2_pretrain", "data": ["builtin:0.7", "builtin-chat:0.3"]})
     assert not checkpoints.knows_chat_format({"script": "fsdp2_pretrain", "data": ["builtin"]})
 

@@ -214,6 +214,9 @@ class ArgumentParser(argparse.ArgumentParser):
             for name, value in preset_defaults(args.model, self.training_defaults).items():
                 if name in vars(args) and getattr(args, name) is None:  # a flag of this parser (scripts add their own)
                     setattr(args, name, value)
+            if args.tokens_per_batch < args.buckets[-1]:  # a micro-batch holds one sample of the largest bucket
+                self.error(f"--tokens-per-batch {args.tokens_per_batch} is smaller than the largest bucket "
+                           f"({args.buckets[-1]}): raise --tokens-per-batch or lower --buckets")
         return args
 
     def error(self, message):
@@ -318,24 +321,14 @@ def get_parser(description, default_out_dir, training_defaults="train", init_fro
     return parser
 
 
-def finalize_args(args, data_ranks=1, tokens_per_step=None):
+def finalize_args(args, tokens_per_step=None):
     """Check what no single flag's type can, before anything heavy (or collective), and set --max-steps from
-    --max-tokens. data_ranks: the ranks that read different samples (the world size, less what tensor parallelism
-    shares); tokens_per_step(args, data_ranks): the positions one step computes (default: batches of samples)."""
-    if args.tokens_per_batch < args.buckets[-1]:
-        raise UsageError(f"--tokens-per-batch {args.tokens_per_batch} is smaller than the largest bucket "
-                         f"({args.buckets[-1]}): raise --tokens-per-batch or lower --buckets")
+    --max-tokens and tokens_per_step, the positions one optimizer step computes (each script counts its own)."""
     if args.max_tokens is not None:
-        args.max_steps = -(-args.max_tokens // (tokens_per_step or batch_tokens_per_step)(args, data_ranks))
+        args.max_steps = -(-args.max_tokens // tokens_per_step)
     if Path(args.out_dir).exists() and not Path(args.out_dir).is_dir():
         raise UsageError(f"--out-dir {args.out_dir} is a file: choose a folder")
     return args
-
-
-def batch_tokens_per_step(args, data_ranks):
-    """Positions one optimizer step of batches of samples computes, padding included: tokens per batch x micro-batches
-    x the ranks that read different samples."""
-    return args.tokens_per_batch * args.grad_accum * data_ranks
 
 
 def flag_values(args):
@@ -343,10 +336,9 @@ def flag_values(args):
     return json.loads(json.dumps(vars(args)))
 
 
-def write_config(args, script, world_size, device, dtype, n_params, data_ranks=None, tokens_per_step=None):
+def write_config(args, script, world_size, device, dtype, n_params, step_tokens):
     """Rank 0, at the start: the resolved configuration, printed as one block and written to <out-dir>/config.json.
-    data_ranks: the ranks that read different samples (default: all of them); tokens_per_step: as finalize_args."""
-    step_tokens = (tokens_per_step or batch_tokens_per_step)(args, data_ranks or world_size)
+    step_tokens: the positions one optimizer step computes (finalize_args)."""
     total_tokens = step_tokens * args.max_steps
     config = {"script": script, "world_size": world_size, "device": str(device),
               "dtype": str(dtype).removeprefix("torch."), "parameters": n_params, "tokens_per_step": step_tokens,

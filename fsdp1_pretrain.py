@@ -38,7 +38,9 @@ RESUMED_BY = [SCRIPT]
 rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 local_rank = int(os.environ.get("LOCAL_RANK", 0))
 parser = common.get_parser(__doc__, f"runs/{SCRIPT}")
-args = common.finalize_args(parser.parse_args(), world_size)
+args = parser.parse_args()
+tokens_per_step = args.tokens_per_batch * args.grad_accum * world_size  # positions a step computes, padding too
+args = common.finalize_args(args, tokens_per_step)
 device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
 dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
 checkpoint_root = Path(args.out_dir) / "checkpoints"
@@ -67,7 +69,7 @@ if init_dir is not None:  # midtraining: the weights of any checkpoint or export
     model.load_state_dict(checkpoints.load_checkpoint_model(init_dir)[0].state_dict())
 n_params, model_config = modeling.count_parameters(model), model.config
 if rank == 0:
-    common.write_config(args, SCRIPT, world_size, device, dtype, n_params)  # the start block, and <out-dir>/config.json
+    common.write_config(args, SCRIPT, world_size, device, dtype, n_params, tokens_per_step)  # and config.json
 if args.compile:
     torch._dynamo.config.recompile_limit = 2 * len(args.buckets)  # per bucket a training and an evaluation graph
     for layer in model.model.layers:  # regional: all layers share each bucket's graph; the wrappers' hooks stay outside

@@ -48,7 +48,8 @@ if any(bucket_len % (2 * args.cp) for bucket_len in args.buckets):  # each seque
 if args.compile:  # untried: dynamo would have to trace the collectives inside every layer's attention
     raise common.UsageError("--compile: this script runs its context-parallel attention eager; drop --compile")
 dp_size = world_size // args.cp
-args = common.finalize_args(args, dp_size)
+tokens_per_step = args.tokens_per_batch * args.grad_accum * dp_size  # positions a step computes, padding too
+args = common.finalize_args(args, tokens_per_step)
 device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
 dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
 checkpoint_root = Path(args.out_dir) / "checkpoints"
@@ -81,7 +82,7 @@ if init_dir is not None:  # midtraining: the weights of any checkpoint or export
     model.load_state_dict(checkpoints.load_checkpoint_model(init_dir)[0].state_dict())
 n_params, model_config = modeling.count_parameters(model), model.config
 if rank == 0:
-    common.write_config(args, SCRIPT, world_size, device, dtype, n_params, dp_size)  # the start block, config.json
+    common.write_config(args, SCRIPT, world_size, device, dtype, n_params, tokens_per_step)  # and config.json
 
 # ---------------------------------------------------------------------------------------------- context parallel
 # A cp group cuts each sequence into 2 x cp chunks; rank r takes chunks r and 2cp-1-r (ring-flash-attention's zigzag).

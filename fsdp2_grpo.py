@@ -56,14 +56,10 @@ parser.add_argument("--prompts-per-step", type=common.COUNT, default=None, help=
 parser.add_argument("--reward", choices=tasks.REWARDS, default="exact-text", help="a reply's answer, compared with "
                     "the reference's: exact-text, the text between its solution markers (as evaluate.py scores it); "
                     "final-number, the last number between them (else in the whole reply), for data such as GSM8K")
-
-
-def rollout_tokens(args, ranks):  # a step's positions: its rollouts, padded to the largest bucket, in batches of it
-    rows = args.tokens_per_batch // args.buckets[-1]
-    return -(-args.prompts_per_step * args.group_size // rows) * rows * args.buckets[-1] * ranks
-
-
-args = common.finalize_args(parser.parse_args(), world_size, rollout_tokens)
+args = parser.parse_args()
+rows = args.tokens_per_batch // args.buckets[-1]  # a step's positions: its rollouts, in batches of this many rows
+tokens_per_step = -(-args.prompts_per_step * args.group_size // rows) * rows * args.buckets[-1] * world_size
+args = common.finalize_args(args, tokens_per_step)
 device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
 dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
 checkpoint_root = Path(args.out_dir) / "checkpoints"
@@ -100,7 +96,7 @@ torch.manual_seed(args.seed)  # the same init on every rank, and in every script
 model = modeling.build_model(args.model, args.activation_checkpointing)
 n_params, model_config = modeling.count_parameters(model), model.config
 if rank == 0:
-    common.write_config(args, SCRIPT, world_size, device, dtype, n_params, tokens_per_step=rollout_tokens)
+    common.write_config(args, SCRIPT, world_size, device, dtype, n_params, tokens_per_step)  # and config.json
 if args.compile:
     torch._dynamo.config.recompile_limit = 2 * len(args.buckets)  # per bucket a training and an evaluation graph
     for layer in model.model.layers:  # regional: all layers share each bucket's graph; the wrappers' hooks stay outside

@@ -51,7 +51,9 @@ parser.add_argument("--eval-generate", type=common.NON_NEGATIVE_INT, default=Non
 parser.add_argument("--replay", default=None, help="SOURCE:SHARE: pretraining text trained on beside the conversations "
                     "as that share of the tokens, every token a target, so that the model keeps its prose (e.g. "
                     "builtin:0.2; default: none)")
-args = common.finalize_args(parser.parse_args(), world_size)
+args = parser.parse_args()
+tokens_per_step = args.tokens_per_batch * args.grad_accum * world_size  # positions a step computes, padding too
+args = common.finalize_args(args, tokens_per_step)
 device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
 dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
 checkpoint_root = Path(args.out_dir) / "checkpoints"
@@ -78,7 +80,7 @@ torch.manual_seed(args.seed)  # the same init on every rank, and in every script
 model = modeling.build_model(args.model, args.activation_checkpointing)
 n_params, model_config = modeling.count_parameters(model), model.config
 if rank == 0:
-    common.write_config(args, SCRIPT, world_size, device, dtype, n_params)  # the start block, and <out-dir>/config.json
+    common.write_config(args, SCRIPT, world_size, device, dtype, n_params, tokens_per_step)  # and config.json
 if args.compile:
     torch._dynamo.config.recompile_limit = 2 * len(args.buckets)  # per bucket a training and an evaluation graph
     for layer in model.model.layers:  # regional: all layers share each bucket's graph; the wrappers' hooks stay outside

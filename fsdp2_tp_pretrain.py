@@ -49,7 +49,8 @@ if world_size % args.tp:
 if args.compile:  # torch 2.13: AOTAutograd fails on tensor-parallel layers under activation checkpointing (tried here)
     raise common.UsageError("--compile: this script runs its tensor-parallel layers eager; drop --compile")
 dp_size = world_size // args.tp
-args = common.finalize_args(args, dp_size)
+tokens_per_step = args.tokens_per_batch * args.grad_accum * dp_size  # positions a step computes, padding too
+args = common.finalize_args(args, tokens_per_step)
 device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
 dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
 checkpoint_root = Path(args.out_dir) / "checkpoints"
@@ -82,7 +83,7 @@ if init_dir is not None:  # midtraining: the weights of any checkpoint or export
     model.load_state_dict(checkpoints.load_checkpoint_model(init_dir)[0].state_dict())
 n_params, model_config = modeling.count_parameters(model), model.config
 if rank == 0:
-    common.write_config(args, SCRIPT, world_size, device, dtype, n_params, dp_size)  # the start block, config.json
+    common.write_config(args, SCRIPT, world_size, device, dtype, n_params, tokens_per_step)  # and config.json
 
 # ---------------------------------------------------------------------------------------------- tensor parallel
 # transformers' own Qwen2 plan (Qwen2Config.base_model_tp_plan). Column-wise: each tp rank holds a slice of the output

@@ -48,7 +48,8 @@ if args.pp_schedule == "1f1b" and args.grad_accum < args.pp:  # 1F1B fills every
     raise common.UsageError(f"--grad-accum {args.grad_accum} is below the {args.pp} stages, which 1F1B needs at least: "
                             f"raise --grad-accum, or pass --pp-schedule gpipe")
 dp_size = world_size // args.pp
-args = common.finalize_args(args, dp_size)
+tokens_per_step = args.tokens_per_batch * args.grad_accum * dp_size  # positions a step computes, padding too
+args = common.finalize_args(args, tokens_per_step)
 device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
 dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
 checkpoint_root = Path(args.out_dir) / "checkpoints"
@@ -82,7 +83,7 @@ if init_dir is not None:  # midtraining: the weights of any checkpoint or export
     model.load_state_dict(checkpoints.load_checkpoint_model(init_dir)[0].state_dict())
 n_params, model_config = modeling.count_parameters(model), model.config
 if rank == 0:
-    common.write_config(args, SCRIPT, world_size, device, dtype, n_params, dp_size)  # the start block, config.json
+    common.write_config(args, SCRIPT, world_size, device, dtype, n_params, tokens_per_step)  # and config.json
 # bf16 matmuls on fp32 weights: the forward and the loss run inside `with autocast:`, the backward follows their dtypes.
 autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 

@@ -101,18 +101,20 @@ def test_a_flag_out_of_its_range_is_one_line_naming_it(stage, flags, words, caps
     assert error.startswith(f"error: {words}") and error.count("\n") == 1, error
 
 
-def test_max_tokens_sets_the_steps_from_the_tokens_per_step():
-    def finalize(stage, *flags, world_size=2):
-        return common.finalize_args(common.get_parser("", "runs/x", stage).parse_args(["--model", "tiny", *flags]),
-                                    world_size)
+def test_max_tokens_sets_the_steps_from_the_tokens_per_step(ddp_one_process):
+    """Each script counts the positions of its own step (tokens per batch x micro-batches x the ranks that read
+    different samples; fsdp2_grpo.py: its rollouts, test_fsdp2_grpo.py) and records them in config.json; --max-tokens
+    is that many steps, rounded up."""
+    # 1 rank x 2 micro-batches of tiny's 512 tokens (2 ranks x 1: test_a_run_prints_its_configuration_once_...).
+    assert json.loads((ddp_one_process / "config.json").read_text())["tokens_per_step"] == 512 * 2
 
-    # tiny: 512 tokens per batch; 2 ranks x 2 micro-batches = 2,048 tokens per step; 10,000 tokens -> 5 steps.
-    assert finalize("train", "--max-tokens", "10000", "--grad-accum", "2").max_steps == 5
-    assert finalize("train", "--max-tokens", "10240", "--grad-accum", "2").max_steps == 5  # exactly 5 steps' worth
-    # A script whose steps take something else counts its own (fsdp2_grpo.py: its rollouts, test_fsdp2_grpo.py).
-    positions = common.finalize_args(common.get_parser("", "runs/x").parse_args(["--max-tokens", "4000"]), 2,
-                                     tokens_per_step=lambda args, ranks: 1000 * ranks)
-    assert positions.max_steps == 2
+    def finalize(stage, *flags, tokens_per_step=2048):
+        return common.finalize_args(common.get_parser("", "runs/x", stage).parse_args(["--model", "tiny", *flags]),
+                                    tokens_per_step)
+
+    assert finalize("train", "--max-tokens", "10000").max_steps == 5
+    assert finalize("train", "--max-tokens", "10240").max_steps == 5  # exactly 5 steps' worth
+    assert finalize("grpo", "--max-tokens", "4000", tokens_per_step=1000).max_steps == 4
     with pytest.raises(SystemExit) as exit:  # the run's length in steps or in tokens, not both: argparse's one line
         finalize("train", "--max-tokens", "1000", "--max-steps", "5")
     assert exit.value.code == 2

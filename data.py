@@ -347,12 +347,12 @@ def collate(split, sample_ids, bucket_len, batch_size, pad_id=common.EOT_ID):
 # ----------------------------------------------------------------------------------------------
 # The data order: what the sequence of training samples depends on.
 
-def data_order(args, train, val, world_size, samples_per_step=None, batch_flags=("tokens_per_batch", "grad_accum")):
+def data_order(args, train, val, world_size, samples_per_rank, batch_flags):
     """What the order of the training samples depends on (the data, its split, the buckets, the seed and the samples
     per step), for every checkpoint's meta.json: a resume may not change it (checkpoints.check_resume). Checks first
-    that every rank gets samples and that every source's validation split has some. samples_per_step: the samples one
-    optimizer step takes, per bucket, and batch_flags the flags that set them (default: batches of samples, tokens per
-    batch // bucket length x grad accum x ranks); a script whose steps take something else passes its own."""
+    that every rank gets samples and that every source's validation split has some. samples_per_rank: the samples one
+    optimizer step takes on each rank that reads its own, per bucket (each script counts its own), and batch_flags the
+    flags that set them."""
     if len(train.lengths) < world_size:
         raise common.UsageError(f"the data gives {len(train.lengths)} training samples, fewer than the {world_size} "
                                 f"ranks: use more --data or fewer ranks")
@@ -360,9 +360,7 @@ def data_order(args, train, val, world_size, samples_per_step=None, batch_flags=
         if not len(split.lengths):
             raise common.UsageError(f"the validation split of {name} is empty: use more --data or a larger "
                                     f"--val-fraction")
-    if samples_per_step is None:
-        samples_per_step = [bucket_batch_size(args.tokens_per_batch, length) * args.grad_accum * world_size
-                            for length in args.buckets]
     return {"data_sha256": train.content_sha256, "val_fraction": args.val_fraction, "buckets": args.buckets,
             "seed": args.seed, "world_size": world_size, "bucket_order": getattr(args, "bucket_order", None),
-            "samples_per_step": samples_per_step, "batch_flags": {flag: getattr(args, flag) for flag in batch_flags}}
+            "samples_per_step": [n * world_size for n in samples_per_rank],
+            "batch_flags": {flag: getattr(args, flag) for flag in batch_flags}}

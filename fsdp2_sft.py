@@ -64,7 +64,9 @@ init_dir = None if resume_dir else checkpoints.find_init_checkpoint(args, "fsdp2
 tokenizer = common.get_chat_tokenizer()  # GPT-2 BPE plus the role and reasoning markers
 # Splits over the memory-mapped tokens; the targets: assistant tokens only (and every token of replayed text).
 train, val = data.load_sft_data(args, tokenizer, replay=args.replay)
-data_order = data.data_order(args, train, val, world_size)  # what the sample order depends on (checked: enough samples)
+# What the sample order depends on (checked: enough samples); a step takes a batch per micro-batch on each rank.
+samples_per_rank = [data.bucket_batch_size(args.tokens_per_batch, length) * args.grad_accum for length in args.buckets]
+data_order = data.data_order(args, train, val, world_size, samples_per_rank, ["tokens_per_batch", "grad_accum"])
 checkpoints.check_resume(resume_dir, args, data_order)  # --resume: the same data order; says which other flags changed
 
 # ---------------------------------------------------------------------------------------------- distributed

@@ -215,8 +215,9 @@ def test_collate_copies_rows_out_of_the_memory_map(builtin_splits):
 
 def test_the_data_order_is_returned_and_nothing_is_written_into_args(builtin_args, builtin_splits):
     before = dict(vars(builtin_args))
-    order = data.data_order(builtin_args, *builtin_splits, world_size=2)
+    per_rank = [data.bucket_batch_size(builtin_args.tokens_per_batch, length) for length in builtin_args.buckets]
+    order = data.data_order(builtin_args, *builtin_splits, 2, per_rank, ["tokens_per_batch", "grad_accum"])
     assert vars(builtin_args) == before
-    per_step = [2 * data.bucket_batch_size(builtin_args.tokens_per_batch, length) for length in builtin_args.buckets]
-    assert order["samples_per_step"] == per_step and order["seed"] == builtin_args.seed
+    assert order["samples_per_step"] == [2 * n for n in per_rank] and order["seed"] == builtin_args.seed
+    assert order["batch_flags"] == {"tokens_per_batch": builtin_args.tokens_per_batch, "grad_accum": 1}
     assert order["data_sha256"] == builtin_splits[0].content_sha256 and order["bucket_order"] == "shuffled"

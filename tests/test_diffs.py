@@ -28,7 +28,7 @@ DIFFS = {
         {"preamble": 21, "setup": 11, "data": 6, "model": 2, "init from a checkpoint": 17, "checkpoint": 3,
          "evaluation": 16, "end": 4},
     ("fsdp2_sft.py", "fsdp2_grpo.py"):  # prompts and rewards, rollouts, the advantage and the policy-gradient loss
-        {"preamble": 13, "setup": 27, "data": 16, "model": 2, "init from a checkpoint": 9, "resume": 5,
+        {"preamble": 13, "setup": 27, "data": 18, "model": 2, "init from a checkpoint": 9, "resume": 5,
          "evaluation": 11, "rollouts": 11, "training loop": 79},
 }
 SECTION = re.compile(r"^# -{20,} (.+)$")

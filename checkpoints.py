@@ -117,7 +117,7 @@ def find_resume_checkpoint(args, checkpoint_root, script):
     else:
         checkpoint_dir = Path(args.resume)
     meta = read_meta(checkpoint_dir, "--resume")
-    resumed_by = meta.get("resumed_by", [meta["script"]])  # the scripts its writer named (DCP reshards to each mesh)
+    resumed_by = meta.get("resumed_by", [meta["script"]])  # as its writer named them (older checkpoints: itself)
     if script not in resumed_by:
         raise common.UsageError(f"--resume {checkpoint_dir} was written by {meta['script']}.py, not {script}.py: "
                                 f"resume it with {' or '.join(f'{name}.py' for name in resumed_by)}")

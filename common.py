@@ -196,7 +196,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose errors are one line, `error: ...`, printed by rank 0 only (no usage block). A training script's
     parser also names the presets' training defaults it takes (training_defaults: a key of each preset's entry, as
-    "train"): a flag left unset (default None) takes the --model preset's value, and its help lists it per preset."""
+    "train"): a flag left unset (default None) takes the --model preset's value, and its help lists it per preset; a
+    micro-batch must then hold one sample of the largest bucket."""
 
     def __init__(self, description, training_defaults=None):
         self.training_defaults = training_defaults  # set first: argparse's __init__ adds --help through add_argument

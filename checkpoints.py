@@ -44,7 +44,7 @@ def newest_checkpoint(path):
     return found[-1] if found else None
 
 
-def commit_checkpoint(partial_dir, args, script, step, world_size, data_order, resumed_by, chat_format=False):
+def commit_checkpoint(partial_dir, args, script, step, world_size, data_order, resumed_by, chat_format):
     """Rank 0, once every rank has written: add meta.json, rename to step_<N>, drop the oldest beyond --keep-last.
     meta.json lets --resume, generate.py and export_hf.py check a checkpoint without reading the weights; resumed_by
     names the scripts that may resume it, chat_format whether its model learned the chat format and its markers."""
@@ -180,7 +180,7 @@ def find_init_checkpoint(args, source=None, chat_models_only=False):
         raise common.UsageError(f"--init-from {path} holds no complete checkpoint: pass a checkpoint folder, a run "
                                 f"folder or an export_hf.py folder")
     meta = read_meta(checkpoint_dir, "--init-from")
-    if chat_models_only and not knows_chat_format(meta):
+    if chat_models_only and not meta.get("chat_format"):
         raise common.UsageError(f"--init-from {checkpoint_dir} was written by {meta['script']}.py (its model never "
                                 f"learned the chat format and its markers): start from a {source}.py checkpoint")
     if source and not (meta.get("hf") or (checkpoint_dir / "model").is_dir()):
@@ -191,13 +191,6 @@ def find_init_checkpoint(args, source=None, chat_models_only=False):
         raise common.UsageError(f"--init-from {checkpoint_dir} holds a '{meta['model']}' model: pass --model "
                                 f"{meta['model']}, or another --init-from")
     return checkpoint_dir
-
-
-def knows_chat_format(meta):
-    """Whether a checkpoint's model learned the chat format and its markers: its writer says so (chat_format), or its
-    --data held builtin-chat (midtraining)."""
-    sources = meta.get("data") if isinstance(meta.get("data"), list) else [meta.get("data")]
-    return meta.get("chat_format", False) or any(str(item).split(":")[0] == common.CHAT_AS_TEXT for item in sources)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """What every script shares and a reader need not see twice: errors, constants, presets and the command line, the
 tokenizer and chat format, the LR schedule, the validation split and the process group. Beside it, one subject each:
-modeling.py (model, loss, generation), metrics.py, data.py, checkpoints.py, prepare_data.py and tasks.py. Everything
+modeling.py (model, loss, generation), metrics.py, data.py, checkpoints.py and tasks.py. Everything
 strategy-specific (wrapping, checkpoint save and load, clipping, no-sync) is written out in the scripts, so that
 `diff` between them is the lesson.
 """
@@ -135,7 +135,6 @@ MODEL_PRESETS = {
                   save_every=100, prompts_per_step=8, eval_generate=200),
     ),
 }
-CHAT_AS_TEXT = "builtin-chat"  # pretraining's source of the built-in conversations, in the chat format, all targets
 
 
 def preset_defaults(model, training_defaults):
@@ -236,39 +235,16 @@ def preset_help(help, flag, training_defaults):
     return f"{help} (default by --model: {', '.join(f'{m}: {v}' for m, v in shown.items())})" if shown else help
 
 
-PRETRAINING_DATA = ("text to pretrain on, a source or a mixture SOURCE:WEIGHT ... (weights: shares of the training "
-                    "tokens): 'builtin' (CPython's documentation, no network), 'builtin-chat' (the built-in "
-                    "conversations in the chat format, all tokens targets), a folder of prepare_data.py, a hub "
-                    "dataset name, a save_to_disk folder, local .txt/.jsonl/.json/.parquet files (--text-field)")
-
-
-def add_data_arguments(add, data_help=PRETRAINING_DATA, mixture=False):
-    """--data and how to read it: the same flags in the training scripts and in prepare_data.py; with mixture, --data
-    takes one or more sources (SOURCE or SOURCE:WEIGHT)."""
-    add("--data", default=["builtin"] if mixture else "builtin", nargs="+" if mixture else None, help=data_help)
-    add("--data-config", default=None, help="hub dataset configuration, e.g. sample-10BT for "
-        "HuggingFaceFW/fineweb-edu, main for openai/gsm8k (default: none)")
-    add("--text-field", default="text", help="text: the column that holds it in .jsonl/.json/.parquet/hub data "
-        "(conversations and problems are read by their schema)")
-    add("--max-docs", type=NON_NEGATIVE_INT, default=100_000,
-        help="rows taken from a hub dataset, streamed (0: all); local files and builtin are read whole")
-
-
-def get_parser(description, default_out_dir, training_defaults="train", init_from=None, batches_of_samples=True,
-               data_help=PRETRAINING_DATA):
-    """The parser of a training script, with the flags they share. training_defaults: the presets' defaults it takes
-    (ArgumentParser); init_from: the script whose newest checkpoint it starts from by default (else --init-from is
-    optional); batches_of_samples: its steps take length-bucketed batches of samples (adds --grad-accum and
-    --bucket-order); data_help: what its --data takes (pretraining's: a mixture of sources)."""
+def get_parser(description, default_out_dir, training_defaults="train", init_from=None, batches_of_samples=True):
+    """The parser of a training script, with the flags they share (each script adds its own --data). training_defaults:
+    the presets' defaults it takes (ArgumentParser); init_from: the script whose newest checkpoint it starts from by
+    default (else --init-from is optional); batches_of_samples: its steps take length-bucketed batches of samples (adds
+    --grad-accum and --bucket-order)."""
     parser = ArgumentParser(description, training_defaults)
     add = parser.add_argument
     add("--model", default="small", choices=list(MODEL_PRESETS), help="model preset (and its training defaults)")
-    add_data_arguments(add, data_help, mixture=data_help is PRETRAINING_DATA)
     add("--val-fraction", type=number(float, above=0, below=1), default=0.05,
         help="share of each source's documents (conversations, problems) held out for validation, at most 500")
-    add("--cache-dir", default=os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
-                                            "llm-reference"),
-        help="where --data that is not a prepared folder is prepared (tokenized) once, as prepare_data.py would")
     add("--buckets", type=bucket_lengths, default=None, help="comma-separated bucket max lengths in tokens")
     add("--tokens-per-batch", type=COUNT, default=None,
         help="tokens per micro-batch per rank; a bucket's batch size is this // its length")

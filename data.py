@@ -1,12 +1,9 @@
-"""The data every script reads: folders prepared by prepare_data.py (the token ids of every document one after
+"""The data every script reads: folders written by prepare_data.py (the token ids of every document one after
 another, in one uint16 file), memory-mapped, one per source of --data. Samples, the validation splits and each
 epoch's length-bucketed schedule are flat numpy arrays over them, never a Python object per sample; a mixture of
 sources gives each its share of an epoch's tokens; collate copies a batch's rows out of the maps."""
-import argparse
 import hashlib
 import json
-import os
-import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -14,29 +11,38 @@ import numpy as np
 import torch
 
 import common
-import prepare_data
 import tasks
 
+PREPARED_FORMAT, PREPARED_VERSION = "llm-reference-tokens", 1
+
+
+def tokenizer_identity(tokenizer):
+    """What a prepared folder's ids depend on: the encoding's name, its BPE files and its special tokens."""
+    return {"name": tokenizer.name, "vocab_bpe_sha256": common.GPT2_VOCAB_BPE_SHA256,
+            "encoder_json_sha256": common.GPT2_ENCODER_JSON_SHA256,
+            "special_tokens": dict(sorted(tokenizer._special_tokens.items(), key=lambda item: item[1]))}
+
+
 # ----------------------------------------------------------------------------------------------
-# Sources: --data SOURCE[:WEIGHT] ..., each a prepared folder, or prepared into --cache-dir once per machine.
+# Sources: --data FOLDER[:WEIGHT] ..., each a folder written by prepare_data.py.
 
 def source_and_weight(item, flag="--data"):
-    """(SOURCE, WEIGHT or None) of a SOURCE[:WEIGHT] item; a path may hold a ':', but not after its last '/'."""
+    """(FOLDER, WEIGHT or None) of a FOLDER[:WEIGHT] item; a path may hold a ':', but not after its last '/'."""
     if ":" not in item or "/" in item.rsplit(":", 1)[1]:
         return item, None
     source, text = item.rsplit(":", 1)
     try:
         weight = float(text)
     except ValueError:
-        raise common.UsageError(f"{flag} {item}: its weight '{text}' is not a number: pass SOURCE:WEIGHT, e.g. "
-                                f"builtin:0.7") from None
+        raise common.UsageError(f"{flag} {item}: its weight '{text}' is not a number: pass FOLDER:WEIGHT, e.g. "
+                                f"data/builtin:0.7") from None
     if not (weight > 0 and np.isfinite(weight)):
         raise common.UsageError(f"{flag} {item}: a weight is a positive share of the tokens, got {text}")
     return source, weight
 
 
 def parse_sources(items):
-    """[(source, weight or None)] of --data's SOURCE[:WEIGHT] items. A weight is a share of the training tokens; given
+    """[(folder, weight or None)] of --data's FOLDER[:WEIGHT] items. A weight is a share of the training tokens; given
     for one source, it is given for all, and they are normalized to sum to 1; given for none, each sample of every
     source is taken once an epoch."""
     sources = [source_and_weight(item) for item in items]
@@ -50,67 +56,52 @@ def parse_sources(items):
 
 
 def source_names(sources):
-    """A short name per source, for its validation loss (val_loss/<name>): builtin, a file's or folder's stem, a hub
-    dataset's last part."""
-    names = [Path(source.rstrip("/")).stem or source for source in sources]
+    """A short name per source, for its validation loss (val_loss/<name>): its folder's name."""
+    names = [Path(source.rstrip("/")).name or source for source in sources]
     return [name if names.count(name) == 1 else f"{name}-{i}" for i, name in enumerate(names)]
 
 
-def prepared_folder(args, source, tokenizer, kind):
-    """The prepared folder of a source: the folder itself if prepare_data.py wrote it, else one in --cache-dir named by
-    the source, prepared once per machine by local rank 0 while the other ranks wait for it to appear (polling, not
-    a collective, which could time out during a long preparation; if rank 0 fails, torchrun stops them)."""
-    data = Path(source).expanduser()
-    if (data / "tokens.bin").is_file():  # written by prepare_data.py (complete or not: open_prepared tells)
-        return data
-    args = argparse.Namespace(**{**vars(args), "data": source})  # prepare_data reads the source as its --data
-    source = prepare_data.source_identity(args, kind)  # checks local paths: a bad one fails here, on every rank
-    identity = json.dumps([prepare_data.tokenizer_identity(tokenizer), source], sort_keys=True)
-    folder = Path(args.cache_dir) / f"{kind}-{tokenizer.name}-{hashlib.sha256(identity.encode()).hexdigest()[:24]}"
-    if not (folder / "meta.json").is_file():
-        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-            prepare_data.prepare(args, kind, folder, workers=prepare_data.available_cores())
-        while not (folder / "meta.json").is_file():
-            time.sleep(0.2)
-    return folder
-
-
 class Corpus(NamedTuple):
-    """A prepared folder, memory-mapped: document i is tokens[offsets[i]:offsets[i + 1]]; mask (SFT) marks targets."""
+    """A prepared folder, memory-mapped: document i is tokens[offsets[i]:offsets[i + 1]]; mask (conversations) marks
+    the targets."""
     tokens: np.ndarray
     offsets: np.ndarray
     mask: np.ndarray | None
+    chat_format: bool  # conversations in the chat format: a model trained on them knows its markers
     content_sha256: str  # names the data in checkpoints: a resume on other data is refused
 
 
-def open_prepared(folder, tokenizer, kind):
-    """Memory-map a prepared folder, after checking it is complete and made by this format and tokenizer."""
+def open_prepared(folder, conversations=False, flag="--data"):
+    """Memory-map a folder written by prepare_data.py, after checking it is complete and made by this format and
+    tokenizer. Text or conversations (prepare_data.py --sft, with their loss mask); conversations=True: only these."""
+    path = Path(folder).expanduser()
     try:
-        meta = json.loads((Path(folder) / "meta.json").read_text())
+        meta = json.loads((path / "meta.json").read_text())
         format_found = (meta.get("format"), meta.get("version"))
     except (OSError, ValueError, AttributeError):
-        raise common.UsageError(f"--data {folder} is not a complete prepared folder (no readable meta.json: its "
-                                f"preparation was interrupted?): run prepare_data.py again into a new "
-                                f"--out-dir") from None
-    if format_found != (prepare_data.PREPARED_FORMAT, prepare_data.PREPARED_VERSION):
-        raise common.UsageError(f"--data {folder} was prepared in format {format_found}, these scripts read "
-                                f"{(prepare_data.PREPARED_FORMAT, prepare_data.PREPARED_VERSION)}: prepare it again "
-                                f"with this prepare_data.py")
-    if meta["tokenizer"] != prepare_data.tokenizer_identity(tokenizer):
-        raise common.UsageError(f"--data {folder} was tokenized with another tokenizer "
+        raise common.UsageError(f"{flag} {folder} is no complete folder written by prepare_data.py: prepare it first "
+                                f"(`python prepare_data.py` writes the built-in sets into data/, `python "
+                                f"prepare_data.py{' --sft' if conversations else ''} --data SOURCE --out-dir FOLDER` "
+                                f"any other)") from None
+    if format_found != (PREPARED_FORMAT, PREPARED_VERSION):
+        raise common.UsageError(f"{flag} {folder} was prepared in format {format_found}, these scripts read "
+                                f"{(PREPARED_FORMAT, PREPARED_VERSION)}: prepare it again with this prepare_data.py")
+    chat_format = meta["kind"] == "sft"
+    if conversations and not chat_format:
+        raise common.UsageError(f"{flag} {folder} holds text, this script trains on conversations: prepare_data.py "
+                                f"--sft writes them")
+    tokenizer = common.get_chat_tokenizer() if chat_format else common.get_tokenizer()
+    if meta["tokenizer"] != tokenizer_identity(tokenizer):
+        raise common.UsageError(f"{flag} {folder} was tokenized with another tokenizer "
                                 f"({meta['tokenizer'].get('name')}, other BPE files or markers): prepare it again with "
                                 f"this prepare_data.py")
-    kind = "pretrain" if kind == "pretrain" else "sft"  # RL problems are stored as conversations
-    if meta["kind"] != kind:
-        raise common.UsageError(f"--data {folder} holds {meta['kind']} data, this script trains on {kind} data: "
-                                f"prepare_data.py{' --sft' if kind == 'sft' else ''} writes that kind")
     for name, file in meta["files"].items():
-        if not (Path(folder) / name).is_file() or (Path(folder) / name).stat().st_size != file["bytes"]:
-            raise common.UsageError(f"--data {folder} is damaged: {name} is not the {file['bytes']} bytes written: "
+        if not (path / name).is_file() or (path / name).stat().st_size != file["bytes"]:
+            raise common.UsageError(f"{flag} {folder} is damaged: {name} is not the {file['bytes']} bytes written: "
                                     f"prepare it again")
-    tokens = np.memmap(Path(folder) / "tokens.bin", dtype=np.uint16, mode="r")
-    mask = np.memmap(Path(folder) / "loss_mask.bin", dtype=np.uint8, mode="r") if kind == "sft" else None
-    return Corpus(tokens, np.load(Path(folder) / "doc_offsets.npy", mmap_mode="r"), mask, meta["content_sha256"])
+    tokens = np.memmap(path / "tokens.bin", dtype=np.uint16, mode="r")
+    mask = np.memmap(path / "loss_mask.bin", dtype=np.uint8, mode="r") if chat_format else None
+    return Corpus(tokens, np.load(path / "doc_offsets.npy", mmap_mode="r"), mask, chat_format, meta["content_sha256"])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -127,12 +118,13 @@ class Split(NamedTuple):
     lengths: np.ndarray
     target_counts: np.ndarray
     shares: np.ndarray | None  # a mixture's share of an epoch's tokens per source; None: every sample once an epoch
+    chat_format: bool  # some of its data is conversations in the chat format
     content_sha256: str
 
 
 def one_source_split(corpus, mask, starts, lengths, target_counts):
     return Split([corpus.tokens], [mask], np.zeros(len(starts), dtype=np.int64), starts, lengths, target_counts, None,
-                 corpus.content_sha256)
+                 corpus.chat_format, corpus.content_sha256)
 
 
 def sample_tokens(split, i):
@@ -153,19 +145,14 @@ def document_samples(corpus, documents, max_len):
     return sample_starts[keep], sample_lengths[keep]
 
 
-def load_pretraining_data(args, tokenizer):
+def load_pretraining_data(args):
     """The training Split of --data's sources, each a share of an epoch's tokens if weights are given, and each
-    source's validation Split, by name: samples at most the largest bucket long. builtin-chat is the built-in
-    conversations (the SFT's set, the same documents held out) in the chat format, every token a target."""
+    source's validation Split, by name: samples at most the largest bucket long. A folder of conversations is read
+    as text in the chat format, every token a target (midtraining)."""
     sources = parse_sources(args.data)
     train, val = [], {}
     for (source, _), name in zip(sources, source_names([source for source, _ in sources])):
-        if source == common.CHAT_AS_TEXT:
-            chat_tokenizer = common.get_chat_tokenizer()
-            corpus = open_prepared(prepared_folder(args, "builtin", chat_tokenizer, "sft"), chat_tokenizer, "sft")
-        else:
-            corpus = open_prepared(prepared_folder(args, source, tokenizer, "pretrain"), tokenizer, "pretrain")
-        source_train, val[name] = text_splits(corpus, args)
+        source_train, val[name] = text_splits(open_prepared(source), args)
         train.append(source_train)
     shares = np.array([weight for _, weight in sources]) if sources[0][1] is not None else None
     return mixture(train, shares), val
@@ -192,18 +179,15 @@ def mixture(splits, shares):
                  np.concatenate([np.full(len(split.starts), i) for i, split in enumerate(splits)]),
                  *(np.concatenate([getattr(split, field) for split in splits]) for field in
                    ("starts", "lengths", "target_counts")),
-                 shares, hashlib.sha256(named.encode()).hexdigest())
+                 shares, any(split.chat_format for split in splits), hashlib.sha256(named.encode()).hexdigest())
 
 
-def load_sft_data(args, tokenizer, kind="sft", replay=None):
+def load_sft_data(args, replay=None):
     """Train and validation Splits of encoded conversations (the validation ones by name, the conversations' first),
     each cut to the largest bucket (its first tokens still teach); conversations with no target within that length
-    are left out. kind "rl": 'builtin' is the RL set. replay: SOURCE:SHARE, pretraining text mixed in as that share of
-    the training tokens, every token a target, with its own validation split (named replay-<source>)."""
-    if args.data == common.CHAT_AS_TEXT:
-        raise common.UsageError(f"--data {args.data} is pretraining's view of the built-in conversations (every token "
-                                f"a target): this script takes conversations, e.g. --data builtin")
-    corpus = open_prepared(prepared_folder(args, args.data, tokenizer, kind), tokenizer, kind)
+    are left out. replay: FOLDER:SHARE, pretraining text mixed in as that share of the training tokens, every token a
+    target, with its own validation split (named replay-<folder>)."""
+    corpus = open_prepared(args.data, conversations=True)
     starts, lengths = np.asarray(corpus.offsets[:-1]), np.diff(corpus.offsets)
     cut = np.minimum(lengths, args.buckets[-1])
     # Targets per conversation: its mask's sum, less its first token's (a first token is never predicted).
@@ -221,11 +205,10 @@ def load_sft_data(args, tokenizer, kind="sft", replay=None):
     if replay is None:
         return train, val
     source, share = source_and_weight(replay, "--replay")
-    if source == common.CHAT_AS_TEXT or share is None or share >= 1:
-        raise common.UsageError(f"--replay {replay}: pass pretraining text and its share of the tokens, below 1, "
-                                f"e.g. builtin:0.2")
-    text_tokenizer = common.get_tokenizer()
-    text = open_prepared(prepared_folder(args, source, text_tokenizer, "pretrain"), text_tokenizer, "pretrain")
+    text = open_prepared(source, flag="--replay")
+    if text.chat_format or share is None or share >= 1:
+        raise common.UsageError(f"--replay {replay}: pass a folder of pretraining text and its share of the tokens, "
+                                f"below 1, e.g. data/builtin:0.2")
     replayed, val[f"replay-{source_names([source])[0]}"] = text_splits(text, args)
     return mixture([train, replayed], np.array([1 - share, share])), val
 

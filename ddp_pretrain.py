@@ -1,9 +1,9 @@
 """Pretrain a Qwen2-architecture LM with DistributedDataParallel: a full replica per rank, gradients all-reduced.
 
-    torchrun --standalone --nproc_per_node=2 ddp_pretrain.py                  # default: small model, builtin data
+    torchrun --standalone --nproc_per_node=2 ddp_pretrain.py                  # default: small model, data/builtin
     torchrun --standalone --nproc_per_node=8 ddp_pretrain.py --model qwen2-0.5b --data data/fineweb-edu
 
-data/fineweb-edu is FineWeb-Edu's 10B-token sample, tokenized once by prepare_data.py (its docstring says how).
+--data: folders of prepare_data.py (`python prepare_data.py` writes data/builtin; its docstring, data/fineweb-edu).
 """
 import json
 import os
@@ -32,6 +32,7 @@ RESUMED_BY = [SCRIPT]
 rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 local_rank = int(os.environ.get("LOCAL_RANK", 0))
 parser = common.get_parser(__doc__, f"runs/{SCRIPT}")
+parser.add_argument("--data", nargs="+", default=["data/builtin"], help="prepared folders, or FOLDER:WEIGHT ...")
 args = parser.parse_args()
 tokens_per_step = args.tokens_per_batch * args.grad_accum * world_size  # positions a step computes, padding too
 args = common.finalize_args(args, tokens_per_step)
@@ -42,9 +43,8 @@ resume_dir = checkpoints.find_resume_checkpoint(args, checkpoint_root, SCRIPT)
 init_dir = None if resume_dir or not args.init_from else checkpoints.find_init_checkpoint(args)  # weights only
 
 # ---------------------------------------------------------------------------------------------- data
-tokenizer = common.get_tokenizer()
 # Splits: each sample's start, length and target count, as arrays over the memory-mapped tokens.
-train, val = data.load_pretraining_data(args, tokenizer)
+train, val = data.load_pretraining_data(args)
 # What the sample order depends on (checked: enough samples); a step takes a batch per micro-batch on each rank.
 samples_per_rank = [data.bucket_batch_size(args.tokens_per_batch, length) * args.grad_accum for length in args.buckets]
 data_order = data.data_order(args, train, val, world_size, samples_per_rank, ["tokens_per_batch", "grad_accum"])
@@ -95,7 +95,8 @@ def save_checkpoint(step, data_position):
                     "optimizer": optimizer.state_dict(), "step": step, "data_position": data_position,
                     "rng": torch.get_rng_state()},  # rank 0's: every rank seeds alike and the model has no dropout
                    partial_dir / "checkpoint.pt")
-        checkpoints.commit_checkpoint(partial_dir, args, SCRIPT, step, world_size, data_order, RESUMED_BY)
+        checkpoints.commit_checkpoint(partial_dir, args, SCRIPT, step, world_size, data_order, RESUMED_BY,
+                                      train.chat_format)
     dist.barrier()  # nobody runs ahead (or exits) before the checkpoint is committed
 
 

@@ -309,12 +309,12 @@ def evaluate(args):
     meta = checkpoints.read_meta(checkpoint_dir, "PATH")
     # Held out: the split the checkpoint's own run validated on (at the default, every default run's).
     args.val_fraction = meta.get("config", {}).get("val_fraction", VAL_FRACTION)
-    chat = checkpoints.knows_chat_format(meta)  # a chat script's model, or a midtrained one (builtin-chat)
+    chat = meta.get("chat_format", False)  # a chat script's model, or a midtrained one (conversations as text)
     tasks = args.tasks or [task for task in TASKS if chat or task not in CHAT_TASKS]
     if not chat and any(task in CHAT_TASKS for task in tasks):
         raise common.UsageError(f"--tasks {','.join(t for t in tasks if t in CHAT_TASKS)} needs a model that learned "
                                 f"the chat format (fsdp2_sft.py's, fsdp2_grpo.py's, or a pretraining run's on "
-                                f"builtin-chat); {checkpoint_dir} is {meta['script']}'s: use --tasks "
+                                f"conversations); {checkpoint_dir} is {meta['script']}'s: use --tasks "
                                 f"prose_bpb,arith_choice")
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     model, meta = checkpoints.load_checkpoint_model(checkpoint_dir, device)

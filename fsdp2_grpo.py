@@ -1,11 +1,10 @@
 """Reinforce the finetuned model with FSDP2 from verifiable rewards (GRPO-style): sample replies, reward right answers.
 
-    torchrun --standalone --nproc_per_node=2 fsdp2_grpo.py                    # after fsdp2_sft.py; builtin problems
+    torchrun --standalone --nproc_per_node=2 fsdp2_grpo.py                    # after fsdp2_sft.py; data/builtin-rl
     torchrun --standalone --nproc_per_node=8 fsdp2_grpo.py --model qwen2-0.5b --data data/gsm8k
 
-data/gsm8k is GSM8K's training problems ({question, answer} rows; {prompt, answer} rows and conversations work too),
-tokenized once by prepare_data.py --sft; the built-in problems are the solve family's questions (tasks.py), answer
-only. The model starts from the newest checkpoint under runs/fsdp2_sft unless --init-from names another.
+--data: a folder of prepare_data.py (`python prepare_data.py` writes data/builtin-rl; its docstring says how to write
+data/gsm8k). The model starts from runs/fsdp2_sft's newest checkpoint unless --init-from names another.
 """
 import json
 import os
@@ -42,10 +41,8 @@ RESUMED_BY = [SCRIPT]
 # ---------------------------------------------------------------------------------------------- setup
 rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 local_rank = int(os.environ.get("LOCAL_RANK", 0))
-parser = common.get_parser(__doc__, f"runs/{SCRIPT}", "grpo", init_from="fsdp2_sft", batches_of_samples=False,
-                           data_help="problems with answers: 'builtin' (chains asked 'Solve ...', tasks.py), "
-                           "a folder of prepare_data.py --sft, a hub dataset name, local .jsonl/.json/.parquet rows "
-                           "({prompt, answer}, GSM8K's {question, answer}, or conversations)")
+parser = common.get_parser(__doc__, f"runs/{SCRIPT}", "grpo", init_from="fsdp2_sft", batches_of_samples=False)
+parser.add_argument("--data", default="data/builtin-rl", help="a folder of problems (prepare_data.py --sft)")
 parser.add_argument("--reshard-after-forward", type=common.boolean, default=True, help="true: a layer's gathered "
                     "parameters are freed after forward, gathered again in backward (ZeRO-3); false: kept (ZeRO-2)")
 parser.add_argument("--eval-generate", type=common.NON_NEGATIVE_INT, default=None,
@@ -69,7 +66,7 @@ init_dir = None if resume_dir else checkpoints.find_init_checkpoint(args, "fsdp2
 # ---------------------------------------------------------------------------------------------- data
 tokenizer = common.get_chat_tokenizer()  # GPT-2 BPE plus the role and reasoning markers
 # Problems with reference answers (a conversation's reply, or a bare answer): the prompts and their answers.
-train, val = data.load_sft_data(args, tokenizer, kind="rl")
+train, val = data.load_sft_data(args)
 # What the sample order depends on (checked: enough samples); a step takes prompts_per_step prompts on each rank.
 data_order = data.data_order(args, train, val, world_size, [args.prompts_per_step], ["prompts_per_step"])
 checkpoints.check_resume(resume_dir, args, data_order)  # --resume: the same data order; says which other flags changed
@@ -139,7 +136,7 @@ def save_checkpoint(step, data_position):
     dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=partial_dir / "optimizer")  # keyed by name too
     if rank == 0:
         checkpoints.commit_checkpoint(partial_dir, args, SCRIPT, step, world_size, data_order, RESUMED_BY,
-                                      chat_format=True)
+                                      train.chat_format)
     dist.barrier()  # nobody runs ahead (or exits) before the checkpoint is committed
 
 
@@ -217,7 +214,7 @@ def rollout_split(prompts, replies):
                     dtype=np.uint8)
     lengths = np.array([len(prompt) + len(reply) for prompt, reply in zip(prompts, replies)], dtype=np.int64)
     return data.Split([tokens], [mask], np.zeros(len(lengths), dtype=np.int64), np.cumsum(lengths) - lengths,
-                      lengths, np.array([len(reply) for reply in replies], dtype=np.int64), None, "")
+                      lengths, np.array([len(reply) for reply in replies], dtype=np.int64), None, True, "")
 
 
 # ---------------------------------------------------------------------------------------------- training loop

@@ -3,8 +3,8 @@
     torchrun --standalone --nproc_per_node=2 fsdp2_sft.py                     # after fsdp2_pretrain.py; builtin set
     torchrun --standalone --nproc_per_node=8 fsdp2_sft.py --model qwen2-0.5b --data data/openthoughts
 
-data/openthoughts is OpenThoughts-114k, tokenized once by prepare_data.py --sft (its docstring says how); the model
-starts from the newest checkpoint under runs/fsdp2_pretrain unless --init-from names another.
+--data: a folder of prepare_data.py (`python prepare_data.py` writes data/builtin-sft; its docstring says how to write
+data/openthoughts). The model starts from runs/fsdp2_pretrain's newest checkpoint unless --init-from names another.
 """
 import json
 import os
@@ -41,16 +41,15 @@ RESUMED_BY = [SCRIPT]
 # ---------------------------------------------------------------------------------------------- setup
 rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 local_rank = int(os.environ.get("LOCAL_RANK", 0))
-parser = common.get_parser(__doc__, f"runs/{SCRIPT}", "sft", init_from="fsdp2_pretrain", data_help="conversations: "
-                           "'builtin' (reasoning about arithmetic, no network), a folder of prepare_data.py --sft, a "
-                           "hub dataset name, local .jsonl/.json/.parquet rows (OpenThoughts or messages schema)")
+parser = common.get_parser(__doc__, f"runs/{SCRIPT}", "sft", init_from="fsdp2_pretrain")
+parser.add_argument("--data", default="data/builtin-sft", help="a folder of conversations (prepare_data.py --sft)")
 parser.add_argument("--reshard-after-forward", type=common.boolean, default=True, help="true: a layer's gathered "
                     "parameters are freed after forward, gathered again in backward (ZeRO-3); false: kept (ZeRO-2)")
 parser.add_argument("--eval-generate", type=common.NON_NEGATIVE_INT, default=None,
                     help="held-out problems answered by greedy generation at each evaluation (answer accuracy)")
 parser.add_argument("--replay", default=None, help="SOURCE:SHARE: pretraining text trained on beside the conversations "
                     "as that share of the tokens, every token a target, so that the model keeps its prose (e.g. "
-                    "builtin:0.2; default: none)")
+                    "data/builtin:0.2; default: none)")
 args = parser.parse_args()
 tokens_per_step = args.tokens_per_batch * args.grad_accum * world_size  # positions a step computes, padding too
 args = common.finalize_args(args, tokens_per_step)
@@ -63,7 +62,7 @@ init_dir = None if resume_dir else checkpoints.find_init_checkpoint(args, "fsdp2
 # ---------------------------------------------------------------------------------------------- data
 tokenizer = common.get_chat_tokenizer()  # GPT-2 BPE plus the role and reasoning markers
 # Splits over the memory-mapped tokens; the targets: assistant tokens only (and every token of replayed text).
-train, val = data.load_sft_data(args, tokenizer, replay=args.replay)
+train, val = data.load_sft_data(args, replay=args.replay)
 # What the sample order depends on (checked: enough samples); a step takes a batch per micro-batch on each rank.
 samples_per_rank = [data.bucket_batch_size(args.tokens_per_batch, length) * args.grad_accum for length in args.buckets]
 data_order = data.data_order(args, train, val, world_size, samples_per_rank, ["tokens_per_batch", "grad_accum"])
@@ -102,7 +101,7 @@ elif init_dir is not None:
     model_state = get_model_state_dict(model)  # this rank's shards: DCP reads only those, nothing is gathered
     dcp.load(model_state, checkpoint_id=init_dir / "model")
     set_model_state_dict(model, model_state)
-if init_dir is not None and not checkpoints.knows_chat_format(checkpoints.read_meta(init_dir, "--init-from")):
+if init_dir is not None and not checkpoints.read_meta(init_dir, "--init-from").get("chat_format"):
     # The marker rows (50,257 and up) were never trained: start them at the mean of the real token rows, so
     # their logits start at an average token's, plus tiny noise so that they differ from each other.
     with torch.no_grad():
@@ -134,7 +133,7 @@ def save_checkpoint(step, data_position):
     dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=partial_dir / "optimizer")  # keyed by name too
     if rank == 0:
         checkpoints.commit_checkpoint(partial_dir, args, SCRIPT, step, world_size, data_order, RESUMED_BY,
-                                      chat_format=True)
+                                      train.chat_format)
     dist.barrier()  # nobody runs ahead (or exits) before the checkpoint is committed
 
 

@@ -8,6 +8,7 @@ CHECKPOINT is a checkpoint folder (runs/X/checkpoints/step_N), a run's --out-dir
 folder written by export_hf.py.
 """
 import sys
+from pathlib import Path
 
 import torch
 
@@ -57,9 +58,10 @@ if not args.chat:  # a pretrained (or any) model continues plain text
     print(args.prompt + reply(tokenizer.encode_ordinary(args.prompt))[0])
     sys.exit(0)
 
-builtin_system = common.BUILTIN_SYSTEM_PROMPT if meta.get("data") == "builtin" else ""
+builtin_data = Path(str(meta.get("data"))).name in ("builtin-sft", "builtin-rl")  # prepare_data.py's built-in sets
+builtin_system = common.BUILTIN_SYSTEM_PROMPT if builtin_data else ""
 system = args.system if args.system is not None else builtin_system
-if not checkpoints.knows_chat_format(meta):
+if not meta.get("chat_format"):
     print("note: this model never learned the chat format (a pretraining checkpoint): expect no reply", file=sys.stderr)
 if system and args.system is None:  # said, so that a reply elsewhere (the export's chat template) can match it
     print(f"system message: {system!r}, the built-in set's (--system to change)", file=sys.stderr)

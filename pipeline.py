@@ -10,10 +10,11 @@
 Each stage runs its script under torchrun with --out-dir DIR/<stage>, starting from the stage before it:
 
     pretrain  fsdp2_pretrain.py
-    mid       fsdp2_pretrain.py from pretrain's newest checkpoint, on its text and the built-in conversations 70:30
+    data      python prepare_data.py, where a stage reads a built-in set (--*-data left at data/builtin*)
+    mid       fsdp2_pretrain.py from pretrain's newest checkpoint, on its text and --mid-data's conversations 70:30
     sft       fsdp2_sft.py from mid's newest checkpoint, with 10% of its tokens pretraining text replayed
     grpo      fsdp2_grpo.py from sft's newest checkpoint, on problems with answers only (--reward final-number on
-              --rl-data other than builtin, as GSM8K's numbers)
+              --rl-data other than the built-in problems, as GSM8K's numbers)
     control   fsdp2_sft.py from sft's newest checkpoint, for as long as grpo took: the SFT continued on its own data at
               its final learning rate, the compute-matched baseline GRPO must beat
     reference fsdp2_sft.py as the SFT, on the built-in set with every solve row worked (DIR/reference.jsonl): what
@@ -30,6 +31,7 @@ import datetime
 import importlib.metadata
 import json
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -39,6 +41,7 @@ import numpy as np
 
 import checkpoints
 import common
+import prepare_data
 import tasks
 
 REPO = Path(__file__).resolve().parent
@@ -55,6 +58,9 @@ MID_TEXT_SHARE, SFT_REPLAY_SHARE = 0.7, 0.1
 # GRPO trains on the first task's lengths; the second's are longer; the third is the SFT's arithmetic. The first two
 # are also sampled 8 times per problem, after the SFT and after GRPO: pass@k and the share of replies worked.
 COMPARED, SAMPLED = ["solve", "solve_long", "arith_gen"], ["solve", "solve_long"]
+DATA = {"pretrain": ("data/builtin", "pretraining text"), "mid": ("data/builtin-sft", "conversations midtraining "
+        "reads as text"), "sft": ("data/builtin-sft", "SFT conversations (also the control's)"),
+        "rl": ("data/builtin-rl", "GRPO's problems")}  # --<stage>-data: its default folder, what it holds
 
 
 class StageFailed(common.ReportedError):
@@ -82,9 +88,8 @@ def get_parser():
                         "--nproc_per_node): one per GPU, or per pair of CPU cores")
     parser.add_argument("--eval-limit", type=common.COUNT, default=200, help="evaluate.py's --limit: problems or "
                         "documents per task")
-    for stage, what in [("pretrain", "pretraining text"), ("sft", "SFT conversations (also the control's)"),
-                        ("rl", "GRPO's problems")]:
-        parser.add_argument(f"--{stage}-data", default="builtin", help=f"--data of the {what}")
+    for stage, (folder, what) in DATA.items():
+        parser.add_argument(f"--{stage}-data", default=folder, help=f"the prepared folder of the {what}")
     return parser
 
 
@@ -103,6 +108,14 @@ def provenance():
             "date": datetime.date.today().isoformat(), "torch": importlib.metadata.version("torch")}
 
 
+def holds_builtin_set(folder):
+    """Whether a prepared folder holds a built-in set (prepare_data.py --data builtin); stages run in the checkout."""
+    try:
+        return json.loads((REPO / folder / "meta.json").read_text())["source"]["data"] == "builtin"
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
 def source_of(stage, args):
     """The run a stage starts from: SOURCES', but the SFT (and its reference) start from pretraining when there is no
     midtraining."""
@@ -117,10 +130,10 @@ def stage_flags(stage, args):
     flags = ["--keep-last", "1000"]
     if stage == "mid":
         steps, warmup = MID_SCHEDULE[args.model]
-        flags += ["--data", f"{args.pretrain_data}:{MID_TEXT_SHARE}", f"{common.CHAT_AS_TEXT}:{1 - MID_TEXT_SHARE:g}",
+        flags += ["--data", f"{args.pretrain_data}:{MID_TEXT_SHARE}", f"{args.mid_data}:{1 - MID_TEXT_SHARE:g}",
                   "--lr-schedule", "wsd", "--decay-fraction", "0.2", "--max-steps", str(steps), "--warmup-steps",
                   str(warmup), "--save-every", str(steps // 2), "--eval-every", str(steps // 4)]
-    if stage == "grpo" and args.rl_data != "builtin":  # as GSM8K's: a number to match, not the built-in replies' text
+    if stage == "grpo" and not holds_builtin_set(args.rl_data):  # as GSM8K's: a number to match, not a reply's text
         flags += ["--reward", "final-number"]
     if stage in ("sft", "reference"):  # (the control continues the SFT with its flags: control_flags)
         flags += ["--replay", f"{args.pretrain_data}:{SFT_REPLAY_SHARE}", "--save-every",
@@ -133,11 +146,8 @@ def run_stage(stage, args, extra):
     pipeline."""
     out = Path(args.out_dir) / stage
     flags = ["--model", args.model, "--seed", str(args.seed), "--out-dir", str(out), *stage_flags(stage, args), *extra]
-    if stage == "reference":  # the built-in SFT set, every solve row worked
-        out.parent.mkdir(parents=True, exist_ok=True)
-        (out.parent / "reference.jsonl").write_text("".join(json.dumps(record) + "\n" for record in
-                                                            tasks.builtin_sft_records(worked_share=1.0)))
-        flags += ["--data", str(out.parent / "reference.jsonl")]
+    if stage == "reference":  # the built-in SFT set, every solve row worked, prepared beside the runs
+        flags += ["--data", str(prepare_reference(out.parent))]
     elif stage != "mid":
         flags += ["--data", {"pretrain": args.pretrain_data, "grpo": args.rl_data}.get(stage, args.sft_data)]
     if source_of(stage, args):
@@ -146,14 +156,34 @@ def run_stage(stage, args, extra):
         flags += control_flags(Path(args.out_dir))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
                SCRIPTS[stage], *flags]
-    shown = shlex.join(["torchrun", *command[3:]])  # what a user would type
+    return run_command(stage, command, shlex.join(["torchrun", *command[3:]]))  # shown as a user would type it
+
+
+def run_command(stage, command, shown):
+    """Run a stage's command in the checkout, as shown; returns its wall-clock seconds and the command shown. A failed
+    stage stops the pipeline."""
     print(f"\n== {stage}: {shown}", flush=True)
     started = time.perf_counter()
     status = subprocess.run(command, cwd=REPO).returncode
     if status != 0:
+        rerun = f" with --stages {','.join(STAGES[STAGES.index(stage):])}" if stage in STAGES else ""
         raise StageFailed(f"the {stage} stage failed with exit status {status} (docs/errors.md; its output is above): "
-                          f"fix it, then rerun with --stages {','.join(STAGES[STAGES.index(stage):])}")
+                          f"fix it, then rerun{rerun}")
     return time.perf_counter() - started, shown
+
+
+def prepare_reference(out_dir):
+    """The reference stage's data: the built-in SFT set with every solve row worked, written (once: a folder that
+    holds it is kept) as out_dir/reference.jsonl and prepared into out_dir/reference-data."""
+    rows = "".join(json.dumps(record) + "\n" for record in tasks.builtin_sft_records(worked_share=1.0))
+    source, folder = out_dir / "reference.jsonl", out_dir / "reference-data"
+    if not source.is_file() or source.read_text() != rows:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        source.write_text(rows)
+        shutil.rmtree(folder, ignore_errors=True)  # prepared from the rows replaced
+    args = argparse.Namespace(data=str(source), data_config=None, text_field="text", max_docs=0)
+    prepare_data.prepare(args, "sft", folder, workers=1, progress=False)
+    return folder
 
 
 def read_rows(run_dir):
@@ -202,7 +232,7 @@ def evaluate_stages(out_dir, stages, args):
             if not (newest and stage in ("sft", "grpo")):
                 commands = [command]
             if not newest:  # of the abilities the figure draws, those this model can do
-                chat = checkpoints.knows_chat_format(checkpoints.read_meta(checkpoint_dir, "checkpoint"))
+                chat = checkpoints.read_meta(checkpoint_dir, "checkpoint").get("chat_format")
                 commands = [command + ["--tasks", ",".join(task for task, _, _ in plot.ABILITIES
                                                            if chat or task not in evaluate.CHAT_TASKS)]]
             for command in commands:
@@ -267,8 +297,11 @@ def main():
     out_dir, now = Path(args.out_dir), provenance()
     stage_runs_file = out_dir / "stages.json"  # each stage's command and seconds, kept across invocations
     stage_runs = json.loads(stage_runs_file.read_text()) if stage_runs_file.is_file() else {}
-    for stage in [stage for stage in args.stages if stage in SCRIPTS]:
-        if stage == "reference" and args.sft_data != "builtin":
+    training = [stage for stage in args.stages if stage in SCRIPTS]
+    if training and any(getattr(args, f"{stage}_data") == folder for stage, (folder, _) in DATA.items()):
+        run_command("data", [sys.executable, "prepare_data.py"], "python prepare_data.py")  # keeps what it wrote before
+    for stage in training:
+        if stage == "reference" and not holds_builtin_set(args.sft_data):
             print("\n== reference: skipped (it is the built-in SFT set with every solve row worked)", flush=True)
             continue
         seconds, command = run_stage(stage, args, extra)

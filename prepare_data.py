@@ -1,5 +1,6 @@
 r"""Tokenize a corpus once into memory-mapped files: what the training scripts read, at any scale.
 
+    python prepare_data.py             # the built-in sets: data/builtin, data/builtin-sft, data/builtin-rl (seconds)
     python prepare_data.py --data HuggingFaceFW/fineweb-edu --data-config sample-10BT --max-docs 0 \
         --out-dir data/fineweb-edu
     torchrun --standalone --nproc_per_node=8 fsdp2_pretrain.py --model qwen2-0.5b --data data/fineweb-edu
@@ -15,9 +16,9 @@ The folder is written under a hidden partial name, meta.json last, and renamed i
 interrupted preparation leaves nothing that training accepts. The bytes are the same for any --workers.
 
 The training scripts take such a folder as --data and memory-map it, so a rank's memory does not grow with the
-corpus. Given any other --data (builtin, files, a hub name), they prepare it themselves into --cache-dir, once
-per machine. Sources: 'builtin', local .txt (a document per file), .jsonl/.json (a document per row), .parquet
-(read a record batch at a time), a folder of one of these kinds, or a Hugging Face hub dataset (streamed).
+corpus; they read nothing else. Sources: 'builtin', local .txt (a document per file), .jsonl/.json (a document per
+row), .parquet (read a record batch at a time), a folder of one of these kinds, a save_to_disk folder, or a Hugging
+Face hub dataset (streamed). A folder that already holds the same source's tokens is kept as it is.
 """
 import functools
 import hashlib
@@ -34,18 +35,26 @@ from pathlib import Path
 import numpy as np
 
 import common
+import data
 import tasks
 
 BATCH_ROWS = 1024  # rows per tokenization task: enough to amortize the hand-off, small enough to bound memory
 DATA_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
-PREPARED_FORMAT, PREPARED_VERSION = "llm-reference-tokens", 1
+BUILTIN_SETS = {"data/builtin": "pretrain", "data/builtin-sft": "sft", "data/builtin-rl": "rl"}  # without --out-dir
 
 
-def tokenizer_identity(tokenizer):
-    """What a prepared folder's ids depend on: the encoding's name, its BPE files and its special tokens."""
-    return {"name": tokenizer.name, "vocab_bpe_sha256": common.GPT2_VOCAB_BPE_SHA256,
-            "encoder_json_sha256": common.GPT2_ENCODER_JSON_SHA256,
-            "special_tokens": dict(sorted(tokenizer._special_tokens.items(), key=lambda item: item[1]))}
+def add_data_arguments(add):
+    """--data and how to read it."""
+    add("--data", default="builtin", help="'builtin' (CPython's documentation; --sft: reasoning conversations; "
+        "without --out-dir: all the built-in sets), a hub dataset name, a save_to_disk folder, local "
+        ".txt/.jsonl/.json/.parquet files (text: --text-field; conversations: OpenThoughts or messages rows; problems: "
+        "{prompt, answer} or {question, answer})")
+    add("--data-config", default=None, help="hub dataset configuration, e.g. sample-10BT for "
+        "HuggingFaceFW/fineweb-edu, main for openai/gsm8k (default: none)")
+    add("--text-field", default="text", help="text: the column that holds it in .jsonl/.json/.parquet/hub data "
+        "(conversations and problems are read by their schema)")
+    add("--max-docs", type=common.NON_NEGATIVE_INT, default=100_000,
+        help="rows taken from a hub dataset, streamed (0: all); local files and builtin are read whole")
 
 
 def available_cores():
@@ -277,9 +286,9 @@ def encode_conversations(conversations):
 
 def ordered_map(function, batches, workers):
     """function(batch) for every batch, in order, on `workers` processes, with at most 2 x workers batches in flight
-    (Pool.imap would read the whole corpus ahead into its queue). The processes are forked (the training scripts
-    call this from a module with no __main__ guard, which a spawned process would run again), and before the
-    first batch is read, so that they do not inherit the reader's buffers."""
+    (Pool.imap would read the whole corpus ahead into its queue). The processes are forked (a spawned one would import
+    its caller's main module again), and before the first batch is read, so that they do not inherit the reader's
+    buffers."""
     if workers == 1:
         yield from map(function, batches)
         return
@@ -305,7 +314,7 @@ def as_uint16(tokens):
 # Writing: a hidden partial folder, meta.json last, then one rename.
 
 def source_identity(args, kind):
-    """What the prepared tokens are a function of: --cache-dir names its folders by this."""
+    """What the prepared tokens are a function of: a folder that records the same is not prepared again."""
     if args.data == "builtin" and kind == "pretrain":  # the text comes from this very interpreter
         source = ["builtin", sys.version]
     elif args.data == "builtin":  # the SFT or RL set, from its generator
@@ -332,10 +341,19 @@ def remove_stale_partials(out_dir):
 
 def prepare(args, kind, out_dir, workers, progress=True):
     """Tokenize --data into the prepared folder out_dir (kind: "pretrain", "sft" or "rl"; the last two differ only in
-    what 'builtin' is, and are stored alike as "sft"). Returns its meta."""
+    what 'builtin' is, and are stored alike as "sft"), unless it holds them already. Returns its meta."""
     from tqdm import tqdm
 
-    out_dir = Path(out_dir)
+    out_dir, source = Path(out_dir), source_identity(args, kind)
+    if out_dir.exists():
+        try:
+            meta = json.loads((out_dir / "meta.json").read_text())
+        except (OSError, ValueError):
+            meta = {}
+        if meta.get("source") == source and meta.get("version") == data.PREPARED_VERSION:
+            return {**meta, "kept": True}  # prepared before (the training scripts check its files and tokenizer)
+        raise common.UsageError(f"--out-dir {out_dir} already exists and holds other data: choose a new folder (a "
+                                f"prepared folder is never overwritten)")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_partials(out_dir)
     partial = out_dir.with_name(f".{out_dir.name}.partial-{socket.gethostname()}-{os.getpid()}")
@@ -369,15 +387,15 @@ def prepare(args, kind, out_dir, workers, progress=True):
         digests["doc_offsets.npy"] = hashlib.sha256((partial / "doc_offsets.npy").read_bytes())
         files = {name: {"bytes": (partial / name).stat().st_size, "sha256": digest.hexdigest()}
                  for name, digest in digests.items()}
-        meta = {"format": PREPARED_FORMAT, "version": PREPARED_VERSION, "kind": kind,
-                "tokenizer": tokenizer_identity(tokenizer),
-                "source": source_identity(args, kind), "documents": len(offsets) - 1, "tokens": int(offsets[-1]),
+        meta = {"format": data.PREPARED_FORMAT, "version": data.PREPARED_VERSION, "kind": kind,
+                "tokenizer": data.tokenizer_identity(tokenizer),
+                "source": source, "documents": len(offsets) - 1, "tokens": int(offsets[-1]),
                 "files": files,  # names the data in checkpoints, through this hash of the files' hashes:
                 "content_sha256": hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()}
         (partial / "meta.json").write_text(json.dumps(meta, indent=2))  # last: a folder without it is not complete
         try:
             os.rename(partial, out_dir)
-        except OSError:  # another process (a node sharing --cache-dir) finished the same folder first: keep theirs
+        except OSError:  # another process (a node sharing the folder) finished the same folder first: keep theirs
             if not (out_dir / "meta.json").is_file():
                 raise
             shutil.rmtree(partial)
@@ -391,18 +409,22 @@ if __name__ == "__main__":
     import time
 
     parser = common.ArgumentParser(__doc__)
-    common.add_data_arguments(parser.add_argument)
-    parser.add_argument("--out-dir", required=True, help="the prepared folder to write (must not exist yet)")
+    add_data_arguments(parser.add_argument)
+    parser.add_argument("--out-dir", default=None, help="the prepared folder to write: new, or one that holds this "
+                        "source already (kept); without it, --data builtin writes all the built-in sets into data/")
     parser.add_argument("--sft", action="store_true",
                         help="conversations (tokens plus a loss mask on the replies), not pretraining text")
     parser.add_argument("--workers", type=common.COUNT, default=available_cores(),
                         help="tokenizing processes (the default: one per core)")
     args = parser.parse_args()
-    if Path(args.out_dir).exists():
-        raise common.UsageError(f"--out-dir {args.out_dir} already exists: choose a new folder (a prepared folder is "
-                                f"never overwritten)")
-    start = time.perf_counter()
-    meta = prepare(args, "sft" if args.sft else "pretrain", args.out_dir, args.workers)
-    seconds = time.perf_counter() - start
-    print(f"prepared {meta['documents']:,} {'conversations' if args.sft else 'documents'}, {meta['tokens']:,} tokens "
-          f"in {seconds:.1f} s ({meta['tokens'] / seconds:,.0f} tokens/s, {args.workers} workers) into {args.out_dir}")
+    if args.out_dir is None and args.data != "builtin":
+        parser.error(f"--data {args.data} needs --out-dir: the folder to write")
+    jobs = BUILTIN_SETS if args.out_dir is None else {args.out_dir: "sft" if args.sft else "pretrain"}
+    for out_dir, kind in jobs.items():
+        start = time.perf_counter()
+        meta = prepare(args, kind, out_dir, args.workers)
+        seconds = time.perf_counter() - start
+        what = f"{meta['documents']:,} {'documents' if kind == 'pretrain' else 'conversations'}, {meta['tokens']:,} "\
+               f"tokens"
+        print(f"{out_dir} holds {what} already: kept" if meta.get("kept") else f"prepared {what} in {seconds:.1f} s "
+              f"({meta['tokens'] / seconds:,.0f} tokens/s, {args.workers} workers) into {out_dir}")

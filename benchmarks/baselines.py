@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node=2 benchmarks/baselines.py bare    --model small --steps 40   # our batches, bare loop
     torchrun --nproc_per_node=2 benchmarks/baselines.py trainer --model small --steps 40   # HF Trainer, run_clm style
-    torchrun --nproc_per_node=2 benchmarks/baselines.py trl --data conversations.jsonl ... # TRL SFTTrainer
+    torchrun --nproc_per_node=2 benchmarks/baselines.py trl --data data/conversations ... # TRL SFTTrainer
 
 Each prints one line `result {json}` on rank 0: non-padding tokens and seconds over the steps after --skip.
 """
@@ -27,7 +27,7 @@ parser.add_argument("mode", choices=["bare", "trainer", "trl"])
 parser.add_argument("--model", default="small")
 parser.add_argument("--steps", type=int, default=40)
 parser.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the timing")
-parser.add_argument("--data", default="builtin")
+parser.add_argument("--data", default=None, help="a prepared folder (default: data/builtin; trl: data/builtin-sft)")
 parser.add_argument("--buckets", default=None)
 parser.add_argument("--tokens-per-batch", type=int, default=None)
 parser.add_argument("--out-dir", default="/tmp/baselines")
@@ -36,9 +36,10 @@ cli = parser.parse_args()
 rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 training_defaults = "sft" if cli.mode == "trl" else "train"
 args = common.finalize_args(common.get_parser("", cli.out_dir, training_defaults).parse_args(
-    ["--model", cli.model, "--data", cli.data, "--out-dir", cli.out_dir]
+    ["--model", cli.model, "--out-dir", cli.out_dir]
     + (["--buckets", cli.buckets] if cli.buckets else [])
     + (["--tokens-per-batch", str(cli.tokens_per_batch)] if cli.tokens_per_batch else [])))
+args.data = cli.data or ("data/builtin-sft" if cli.mode == "trl" else "data/builtin")
 
 
 def report(tokens, padded_tokens, seconds, **extra):
@@ -67,7 +68,7 @@ if cli.mode == "bare":
     # against. The same device, precision and compilation as ddp_pretrain.py.
     from torch.nn.parallel import DistributedDataParallel
 
-    train, _ = data.load_pretraining_data(args, common.get_tokenizer())
+    train, _ = data.load_pretraining_data(argparse.Namespace(**{**vars(args), "data": [args.data]}))
     device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available()
               else torch.device("cpu"))
     common.init_process_group(device)
@@ -143,8 +144,7 @@ else:
         from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
         block = args.buckets[-1]
-        corpus = data.open_prepared(data.prepared_folder(args, common.get_tokenizer(), "pretrain"),
-                                    common.get_tokenizer(), "pretrain")
+        corpus = data.open_prepared(args.data)
         ids = corpus.tokens.tolist()  # every document followed by <|endoftext|>, as run_clm concatenates them
         blocks = datasets.Dataset.from_dict({"input_ids": [ids[i:i + block]
                                                            for i in range(0, len(ids) - block + 1, block)]})
@@ -168,7 +168,7 @@ else:
         from trl import SFTConfig, SFTTrainer
         from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-        train, _ = data.load_sft_data(args, common.get_chat_tokenizer())
+        train, _ = data.load_sft_data(args)
         samples = [data.sample_tokens(train, i) for i in range(len(train.lengths))]
         masks = [train.mask[start:start + length] for start, length in zip(train.starts, train.lengths)]
         rows = {"input_ids": [t.tolist() for t in samples],

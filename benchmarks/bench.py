@@ -51,6 +51,7 @@ cli = parser.parse_args()
 work = Path(tempfile.mkdtemp(prefix="bench-"))
 env = {**os.environ, "PYTHONUNBUFFERED": "1"}
 env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cli.nproc)))
+subprocess.run([sys.executable, "prepare_data.py"], cwd=REPO, check=True)  # data/builtin: the pretraining runs' --data
 
 
 def torchrun(*command, nproc=None):
@@ -152,7 +153,10 @@ if cli.nproc == 2:  # two stages, 4 micro-batches; the same work on one process 
     run("ddp_pretrain.py 1 process", ours, "ddp_pretrain.py", *pretrain_flags, "--grad-accum", 4,
         run_name="ddp_one_process", nproc=1)
 run("HF Trainer", baseline, "trainer", *[str(f) for f in pretrain_flags])
-conversations = varied_conversations(work / "conversations.jsonl")
+conversations = work / "conversations"
+rows = varied_conversations(work / "conversations.jsonl")
+subprocess.run([sys.executable, "prepare_data.py", "--sft", "--data", rows, "--out-dir", conversations], cwd=REPO,
+               check=True)
 sft_flags = ["--data", conversations, "--buckets", cli.sft_buckets, "--tokens-per-batch", cli.sft_tokens_per_batch]
 if "fsdp2_pretrain.py" in results:  # the SFT starts from its checkpoint
     run("fsdp2_sft.py", ours, "fsdp2_sft.py", *sft_flags, "--init-from", results["fsdp2_pretrain.py"]["out"],

@@ -110,10 +110,10 @@ if cli.only_prepare:
     sys.exit("\n".join(f"{name}: {figure}; {detail}" for name, figure, detail in rows))
 
 # ---------------------------------------------------------------------------------------------- index and schedule
-args = common.finalize_args(common.get_parser("", "runs/x").parse_args(
-    ["--model", "qwen2-0.5b", "--data", str(work / "prepared-2")]))
+args = common.finalize_args(common.get_parser("", "runs/x").parse_args(["--model", "qwen2-0.5b"]))
+args.data = [str(work / "prepared-2")]
 start = time.perf_counter()
-train, val = data.load_pretraining_data(args, common.get_tokenizer())
+train, val = data.load_pretraining_data(args)
 index_seconds = time.perf_counter() - start
 start = time.perf_counter()
 schedule = data.epoch_schedule(train.lengths, args.buckets, args.tokens_per_batch, 8, 1, args.seed, 0)
@@ -122,7 +122,7 @@ rows.append(("index + schedule, prepared corpus", f"{index_seconds + time.perf_c
 
 rng = np.random.default_rng(0)
 lengths = np.clip(rng.lognormal(np.log(500), 1.1, size=11_000_000), 8, 200_000).astype(np.int64)
-corpus = data.Corpus(None, np.concatenate([[0], np.cumsum(lengths)]), None, "")
+corpus = data.Corpus(None, np.concatenate([[0], np.cumsum(lengths)]), None, False, "")
 start = time.perf_counter()
 is_val = np.zeros(len(lengths), dtype=bool)
 is_val[common.validation_documents(len(lengths), args.val_fraction)] = True
@@ -133,9 +133,10 @@ rows.append(("index + schedule, 11M synthetic documents", f"{time.perf_counter()
 
 # ------------------------------------------------------------------------------------------ memory when training starts
 train_flags = ["--model", "small", "--buckets", "256,512,1024,2048", "--tokens-per-batch", 2048, "--max-steps", 3,
-               "--eval-every", 1000, "--save-every", 1000, "--val-fraction", 1e-6, "--cache-dir", work / "cache"]
+               "--eval-every", 1000, "--save-every", 1000, "--val-fraction", 1e-6]
 anonymous = {}
-for name, source in [("builtin", "builtin"), ("1B corpus", work / "prepared-2")]:
+subprocess.run([sys.executable, "prepare_data.py"], check=True)  # data/builtin
+for name, source in [("builtin", "data/builtin"), ("1B corpus", work / "prepared-2")]:
     peak = {}
 
     def watch(pid):
@@ -152,7 +153,7 @@ rows.append(("RssAnon per rank, 1B corpus", " / ".join(f"{b / 1e6:.0f} MB" for b
              f"+{(max(anonymous['1B corpus']) - max(anonymous['builtin'])) / 1e6:.0f} MB over builtin"))
 
 # ----------------------------------------------------------------------------------------- resume time against the step
-tiny = ["--model", "tiny", "--data", "builtin", "--cache-dir", work / "cache", "--val-fraction", 0.002,
+tiny = ["--model", "tiny", "--data", "data/builtin", "--val-fraction", 0.002,
         "--eval-every", 10_000]
 resume_dir = work / "resume"
 subprocess.run(["rm", "-rf", str(resume_dir)], check=True)

@@ -88,6 +88,7 @@ checkpoint_dir = checkpoints.resolve_checkpoint(Path(cli.init_from))
 preset = checkpoints.read_meta(checkpoint_dir, "--init-from")["model"]
 replies_per_step = cli.prompts_per_step * cli.group_size
 chat_tokenizer = common.get_chat_tokenizer()
+subprocess.run([sys.executable, "prepare_data.py"], cwd=REPO, check=True)  # data/builtin-rl: both tools' problems
 
 
 def grpo_flags(bucket_len):
@@ -96,18 +97,18 @@ def grpo_flags(bucket_len):
             "--prompts-per-step", cli.prompts_per_step, "--group-size", cli.group_size, "--buckets", bucket_len,
             "--tokens-per-batch", bucket_len * replies_per_step, "--eval-every", 10**6, "--eval-generate", 0,
             "--save-every", 10**6, "--lr", cli.lr, "--min-lr-ratio", 1, "--warmup-steps", 0, "--seed", cli.seed,
-            "--out-dir", ours_dir]
+            "--data", REPO / "data" / "builtin-rl", "--out-dir", ours_dir]
 
 
 def training_prompts(bucket_len):
     """The flags as fsdp2_grpo.py parses them, and the prompts (token ids) and answers of its training split: read
     here with its very flags, so they are the ones it trains on."""
     parser = common.get_parser("", str(ours_dir), "grpo", init_from="fsdp2_sft", batches_of_samples=False)
-    for flag, kind in [("--eval-generate", int), ("--group-size", int), ("--prompts-per-step", int)]:  # its own flags
-        parser.add_argument(flag, type=kind)
+    for flag, kind in [("--eval-generate", int), ("--group-size", int), ("--prompts-per-step", int), ("--data", str)]:
+        parser.add_argument(flag, type=kind)  # its own flags
     parser.add_argument("--reward", default="final-number")
     args = common.finalize_args(parser.parse_args([str(flag) for flag in grpo_flags(bucket_len)]))
-    train, _ = data.load_sft_data(args, chat_tokenizer, kind="rl")
+    train, _ = data.load_sft_data(args)
     prompts, answers, _ = data.answer_prompts(chat_tokenizer, train, len(train.lengths), args.reward)
     return args, prompts, answers
 

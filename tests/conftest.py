@@ -8,9 +8,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common.py
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # helpers.py
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no test reaches the network; transformers reads this on import
 
-from helpers import EXTRA_FLAGS, SFT_DATA, TINY_RUN, check, run_script, write_tiny_corpus  # noqa: E402
+from helpers import EXTRA_FLAGS, RL_DATA, SFT_DATA, TINY_RUN, check, prepare_test_data, run_script  # noqa: E402
 
-write_tiny_corpus()  # before any test reads TINY_RUN's --data
+prepare_test_data()  # before any test reads TINY_RUN's --data
 
 
 # tests/tp_probe.py records the first layer's shards and collectives; tests/pp_probe.py the tied weight's copies;
@@ -55,7 +55,8 @@ def tiny_run(tmp_path_factory):
             out = tmp_path_factory.mktemp(script.removesuffix(".py")) / "run"
             # The SFT starts from the FSDP2 pretraining run's newest checkpoint, GRPO from the SFT's.
             source = {"fsdp2_sft.py": "fsdp2_pretrain.py", "fsdp2_grpo.py": "fsdp2_sft.py"}.get(script)
-            init = ["--init-from", get(source)[0], "--eval-generate", 8, *SFT_DATA] if source else []
+            script_data = {"fsdp2_sft.py": SFT_DATA, "fsdp2_grpo.py": RL_DATA}.get(script, [])
+            init = ["--init-from", get(source)[0], "--eval-generate", 8, *script_data] if source else []
             flags = [*TINY_RUN, *EXTRA_FLAGS.get(script, []), *init, "--out-dir", out]
             if script in PROBES:  # through a probe that records what it sees inside the run, into probe.json
                 probe, variable = PROBES[script]

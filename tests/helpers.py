@@ -17,14 +17,18 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
-TINY_CORPUS = Path(tempfile.gettempdir()) / f"llm-reference-tests-{os.getuid()}" / "tiny_corpus.jsonl"
+# The tests' data, prepared once and kept across sessions while its source is the same (prepare_test_data).
+DATA_ROOT = Path(tempfile.gettempdir()) / f"llm-reference-tests-{os.getuid()}"
+TINY_CORPUS, TINY_DATA = DATA_ROOT / "tiny_corpus.jsonl", DATA_ROOT / "tiny_corpus"  # the rows; their prepared folder
+BUILTIN_TEXT, BUILTIN_SFT, BUILTIN_RL = DATA_ROOT / "builtin", DATA_ROOT / "builtin-sft", DATA_ROOT / "builtin-rl"
 # The run most tests share: tiny model, 20 steps, checkpoints at steps 10 and 20, fp32, one validation document
 # (evaluation dominates a tiny run on CPU). Its corpus is small on purpose: an epoch is 12 steps, so every resume
 # from step 10 crosses an epoch boundary.
-TINY_RUN = ["--model", "tiny", "--data", TINY_CORPUS, "--cache-dir", TINY_CORPUS.parent / "cache", "--max-steps", 20,
-            "--save-every", 10, "--eval-every", 10, "--dtype", "fp32", "--val-fraction", 0.002]
+TINY_RUN = ["--model", "tiny", "--data", TINY_DATA, "--max-steps", 20, "--save-every", 10, "--eval-every", 10,
+            "--dtype", "fp32", "--val-fraction", 0.002]
 
-SFT_DATA = ["--data", "builtin"]  # after TINY_RUN's flags: the SFT trains on the built-in reasoning set
+SFT_DATA = ["--data", BUILTIN_SFT]  # after TINY_RUN's flags: the SFT trains on the built-in reasoning set
+RL_DATA = ["--data", BUILTIN_RL]  # and GRPO on the built-in problems
 # The shared run's own flags, after TINY_RUN's: two micro-batches, so that tensor and context parallelism (dp 1) and
 # a pipeline of two stages (which 1F1B fills with two micro-batches at least) compare with DDP on one process,
 # --grad-accum 2.
@@ -32,10 +36,15 @@ EXTRA_FLAGS = {"fsdp2_tp_pretrain.py": ["--grad-accum", 2], "pp_pretrain.py": ["
                "fsdp2_cp_pretrain.py": ["--grad-accum", 2]}
 
 
-def write_tiny_corpus():
-    """TINY_CORPUS: the first 156 paragraphs of CPython's help topics (about 8,000 tokens), one document each. Rewritten
-    only when its text changes, so that its cache (keyed by size and modification time) lasts across sessions."""
+def prepare_test_data():
+    """TINY_CORPUS: the first 156 paragraphs of CPython's help topics (about 8,000 tokens), one document each, rewritten
+    only when its text changes; it and the built-in sets prepared by prepare_data.py's own code, each kept while it
+    holds its source's tokens (the source's size and modification time, for a file)."""
+    import argparse
     import pydoc_data.topics
+
+    import common
+    import prepare_data
 
     topics = pydoc_data.topics.topics
     paragraphs = [p.strip() for name in sorted(topics) for p in topics[name].split("\n\n") if len(p.strip()) > 40][:156]
@@ -43,6 +52,14 @@ def write_tiny_corpus():
     if not TINY_CORPUS.is_file() or TINY_CORPUS.read_text() != text:
         TINY_CORPUS.parent.mkdir(parents=True, exist_ok=True)
         TINY_CORPUS.write_text(text)
+    for source, kind, folder in [(TINY_CORPUS, "pretrain", TINY_DATA), ("builtin", "pretrain", BUILTIN_TEXT),
+                                 ("builtin", "sft", BUILTIN_SFT), ("builtin", "rl", BUILTIN_RL)]:
+        args = argparse.Namespace(data=str(source), data_config=None, text_field="text", max_docs=0)
+        try:
+            prepare_data.prepare(args, kind, folder, workers=prepare_data.available_cores(), progress=False)
+        except common.UsageError:  # prepared from an earlier source (the file rewritten, another Python): again
+            shutil.rmtree(folder)
+            prepare_data.prepare(args, kind, folder, workers=prepare_data.available_cores(), progress=False)
 
 
 def run_script(script, *flags, nproc=1, torchrun=False, timeout=600, env=None):

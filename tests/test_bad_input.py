@@ -5,6 +5,7 @@ as it was. docs/errors.md lists the same table.
 Each case runs the script's own code in this process, up to its first collective (common.init_process_group, which
 here stops the run instead): the imports are already made, so a case takes a fraction of a second instead of a
 process start. A few cases (COMMAND_LINE) also run as a user runs them, to see the one line a terminal shows."""
+import argparse
 import json
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +17,10 @@ import common
 import data
 import prepare_data
 from helpers import (
-    SFT_DATA,
+    BUILTIN_RL,
+    BUILTIN_SFT,
+    RL_DATA,
+    TINY_DATA,
     TINY_RUN,
     copy_checkpoint,
     run_script,
@@ -29,30 +33,37 @@ from helpers import (
 SFT_INIT = ["--init-from", "{tmp}/fsdp2"]  # a valid pretrained checkpoint, so the SFT gets as far as its data
 BAD_INPUTS = {  # case: (script, flags, ranks, words the error line must hold: the flag first)
     "data path that does not exist":
-        ("ddp_pretrain.py", ["--data", "{tmp}/nope/train.txt"], 1, ["--data", "does not exist"]),
-    "folder with no data files": ("ddp_pretrain.py", ["--data", "{tmp}/empty_folder"], 1, ["--data", "holds no"]),
+        ("prepare_data.py", ["--data", "{tmp}/nope/train.txt"], 1, ["--data", "does not exist"]),
+    "folder with no data files": ("prepare_data.py", ["--data", "{tmp}/empty_folder"], 1, ["--data", "holds no"]),
     "text file that is not UTF-8":
-        ("ddp_pretrain.py", ["--data", "{tmp}/latin1.txt"], 1, ["--data", "could not be read"]),
-    "data folder mixing file kinds": ("ddp_pretrain.py", ["--data", "{tmp}/mixed"], 1, ["--data", "mixes file types"]),
+        ("prepare_data.py", ["--data", "{tmp}/latin1.txt"], 1, ["--data", "could not be read"]),
+    "data folder mixing file kinds": ("prepare_data.py", ["--data", "{tmp}/mixed"], 1, ["--data", "mixes file types"]),
     "jsonl with a broken line":
-        ("ddp_pretrain.py", ["--data", "{tmp}/broken.jsonl"], 1, ["--data", "could not be read"]),
-    "only blank documents": ("ddp_pretrain.py", ["--data", "{tmp}/blank.txt"], 1, ["--data", "holds no documents"]),
-    "empty data file": ("ddp_pretrain.py", ["--data", "{tmp}/empty.jsonl"], 1, ["--data", "is an empty file"]),
+        ("prepare_data.py", ["--data", "{tmp}/broken.jsonl"], 1, ["--data", "could not be read"]),
+    "only blank documents": ("prepare_data.py", ["--data", "{tmp}/blank.txt"], 1, ["--data", "holds no documents"]),
+    "empty data file": ("prepare_data.py", ["--data", "{tmp}/empty.jsonl"], 1, ["--data", "is an empty file"]),
     "SFT file that is not what its suffix says":
-        ("fsdp2_sft.py", ["--model", "tiny", *SFT_INIT, "--data", "{tmp}/text.parquet"], 1,
-         ["--data", "could not be read"]),
-    "no such text column": ("ddp_pretrain.py", ["--data", "{tmp}/content.jsonl"], 1, ["--text-field", "content"]),
-    "more ranks than samples":
-        ("ddp_pretrain.py", ["--model", "tiny", "--data", "{tmp}/two_docs.jsonl"], 2,
-         ["--data", "fewer than the 2 ranks"]),
-    "SFT rows in no schema":
-        ("fsdp2_sft.py", ["--model", "tiny", *SFT_INIT, "--data", "{tmp}/input_output.jsonl"], 1,
-         ["--data", "none of"]),
+        ("prepare_data.py", ["--sft", "--data", "{tmp}/text.parquet"], 1, ["--data", "could not be read"]),
+    "no such text column": ("prepare_data.py", ["--data", "{tmp}/content.jsonl"], 1, ["--text-field", "content"]),
+    "SFT rows in no schema": ("prepare_data.py", ["--sft", "--data", "{tmp}/input_output.jsonl"], 1,
+                              ["--data", "none of"]),
     "SFT turn with an unknown role":
-        ("fsdp2_sft.py", ["--model", "tiny", *SFT_INIT, "--data", "{tmp}/tool_role.jsonl"], 1, ["--data", "'tool'"]),
+        ("prepare_data.py", ["--sft", "--data", "{tmp}/tool_role.jsonl"], 1, ["--data", "'tool'"]),
     "SFT conversation with no assistant turn":
+        ("prepare_data.py", ["--sft", "--data", "{tmp}/no_assistant.jsonl"], 1, ["--data", "no assistant turn"]),
+    "problem rows with a prompt and no answer":
+        ("prepare_data.py", ["--sft", "--data", "{tmp}/prompt_response.jsonl"], 1, ["--data", "no 'answer'"]),
+    "prepared folder over other data":
+        ("prepare_data.py", ["--data", "{tmp}/content.jsonl", "--out-dir", "{tmp}/two_docs"], 1,
+         ["--out-dir", "holds other data"]),
+    "data that is not prepared":
+        ("ddp_pretrain.py", ["--model", "tiny", "--data", "{tmp}/two_docs.jsonl"], 1,
+         ["--data", "no complete folder written by prepare_data.py", "`python prepare_data.py"]),
+    "SFT data that is not prepared":
         ("fsdp2_sft.py", ["--model", "tiny", *SFT_INIT, "--data", "{tmp}/no_assistant.jsonl"], 1,
-         ["--data", "no assistant turn"]),
+         ["--data", "prepare_data.py --sft --data SOURCE"]),
+    "more ranks than samples":
+        ("ddp_pretrain.py", ["--model", "tiny", "--data", "{tmp}/two_docs"], 2, ["--data", "fewer than the 2 ranks"]),
     "mixture weight that is not a number":
         ("ddp_pretrain.py", ["--model", "tiny", "--data", "builtin:lots"], 1, ["--data builtin:lots", "not a number"]),
     "mixture weight of zero":
@@ -62,11 +73,13 @@ BAD_INPUTS = {  # case: (script, flags, ranks, words the error line must hold: t
         ("ddp_pretrain.py", ["--model", "tiny", "--data", "builtin:0.7", "builtin-chat"], 1,
          ["--data", "every source a weight"]),
     "mixture source that does not exist":
-        ("ddp_pretrain.py", ["--model", "tiny", "--data", "builtin:0.5", "{tmp}/nope.jsonl:0.5"], 1,
-         ["--data", "nope.jsonl", "does not exist"]),
-    "SFT given pretraining's view of the conversations":
-        ("fsdp2_sft.py", ["--model", "tiny", *SFT_INIT, "--data", "builtin-chat"], 1,
-         ["--data builtin-chat", "conversations"]),
+        ("ddp_pretrain.py", ["--model", "tiny", "--data", f"{TINY_DATA}:0.5", "{tmp}/nope:0.5"], 1,
+         ["--data", "nope", "no complete folder"]),
+    "SFT given text":
+        ("fsdp2_sft.py", ["--model", "tiny", *SFT_INIT, "--data", TINY_DATA], 1, ["--data", "holds text", "--sft"]),
+    "SFT replay of conversations":
+        ("fsdp2_sft.py", ["--model", "tiny", *SFT_INIT, "--replay", f"{BUILTIN_SFT}:0.2"], 1,
+         ["--replay", "pretraining text"]),
     "init-from another model size":
         ("ddp_pretrain.py", ["--model", "small", "--init-from", "{tmp}/ddp"], 1, ["--init-from", "'tiny'", "--model"]),
     "unknown model preset": ("ddp_pretrain.py", ["--model", "huge"], 1, ["--model", "huge"]),
@@ -101,7 +114,7 @@ BAD_INPUTS = {  # case: (script, flags, ranks, words the error line must hold: t
         ("ddp_pretrain.py", ["--model", "tiny", "--out-dir", "{tmp}/ddp", "--resume"], 1,
          ["--max-steps 20", "step 20 already"]),
     "resume on other data":
-        ("ddp_pretrain.py", [*TINY_RUN[:2], "--data", "{tmp}/two_docs.jsonl", "--out-dir", "{tmp}/ddp10", "--resume"],
+        ("ddp_pretrain.py", [*TINY_RUN[:2], "--data", "{tmp}/two_docs", "--out-dir", "{tmp}/ddp10", "--resume"],
          1, ["--data differs", "data order"]),
     "resume with another seed":
         ("ddp_pretrain.py", [*TINY_RUN, "--seed", 7, "--out-dir", "{tmp}/ddp10", "--resume"], 1,
@@ -130,13 +143,10 @@ BAD_INPUTS = {  # case: (script, flags, ranks, words the error line must hold: t
     "GRPO init-from a pretraining checkpoint":
         ("fsdp2_grpo.py", ["--model", "tiny", *SFT_INIT], 1, ["--init-from", "fsdp2_pretrain.py", "chat format"]),
     "GRPO data with no reference answers":
-        ("fsdp2_grpo.py", ["--model", "tiny", "--init-from", "{tmp}/sft", "--data", "{tmp}/no_solution.jsonl"], 1,
+        ("fsdp2_grpo.py", ["--model", "tiny", "--init-from", "{tmp}/sft", "--data", "{tmp}/no_solution"], 1,
          ["--reward exact-text", "--data", "<|begin_of_solution|>"]),
-    "GRPO rows with a prompt and no answer":
-        ("fsdp2_grpo.py", ["--model", "tiny", "--init-from", "{tmp}/sft", "--data", "{tmp}/prompt_response.jsonl"], 1,
-         ["--data", "no 'answer'"]),
     "GRPO final-number reward on answers with no number":
-        ("fsdp2_grpo.py", ["--model", "tiny", "--init-from", "{tmp}/sft", "--data", "{tmp}/spelling.jsonl",
+        ("fsdp2_grpo.py", ["--model", "tiny", "--init-from", "{tmp}/sft", "--data", "{tmp}/spelling",
                            "--reward", "final-number"], 1,
          ["--reward final-number", "finds no answer"]),
     "SFT evaluation with a negative count":
@@ -147,7 +157,7 @@ BAD_INPUTS = {  # case: (script, flags, ranks, words the error line must hold: t
         ("fsdp2_grpo.py", ["--model", "tiny", "--init-from", "{tmp}/sft", "--prompts-per-step", 100000], 1,
          ["--prompts-per-step 100000", "at most"]),
     "GRPO resume with other prompts per step":
-        ("fsdp2_grpo.py", [*TINY_RUN, *SFT_DATA, "--prompts-per-step", 3, "--out-dir", "{tmp}/grpo10", "--resume"],
+        ("fsdp2_grpo.py", [*TINY_RUN, *RL_DATA, "--prompts-per-step", 3, "--out-dir", "{tmp}/grpo10", "--resume"],
          1, ["--prompts-per-step 3", "as it was"]),
 }
 
@@ -183,6 +193,9 @@ def bad_input_files(tmp_path_factory, tiny_run):
     greetings = [[{"from": "user", "value": f"Say hello {i} times."}, {"from": "assistant", "value": "Hello!"}]
                  for i in range(20)]
     (tmp / "no_solution.jsonl").write_text("".join(json.dumps({"conversations": turns}) + "\n" for turns in greetings))
+    for name, kind in [("two_docs", "pretrain"), ("no_solution", "sft"), ("spelling", "sft")]:  # as prepared folders
+        prepare_data.prepare(argparse.Namespace(data=str(tmp / f"{name}.jsonl"), data_config=None, text_field="text",
+                                                max_docs=0), kind, tmp / name, workers=1, progress=False)
     shutil.copytree(tmp / "ddp", tmp / "truncated")
     weights = tmp / "truncated" / "checkpoints" / "step_20" / "checkpoint.pt"
     weights.write_bytes(weights.read_bytes()[:1000])  # a copy that ran out of disk
@@ -195,16 +208,22 @@ FILES_AS_WRITTEN = {}  # sha256 of every file of bad_input_files, as the fixture
 
 # One case per script and per way an error ends a run (argparse, a usage error, on 2 ranks): run as commands too.
 COMMAND_LINE = ["step count that is not a number", "data path that does not exist", "more ranks than samples",
-                "resume another strategy's checkpoint", "SFT rows in no schema",
+                "resume another strategy's checkpoint", "SFT data that is not prepared",
                 "GRPO data with no reference answers"]  # TP's and PP's: argparse-free usage errors, as the others
 
 
 def flags_of(case, files, tmp):
+    """A case's flags; where it names none, --out-dir in tmp and the tests' prepared --data (the defaults, data/, are
+    the checkout's)."""
     script, flags, nproc, _ = BAD_INPUTS[case]
     flags = [str(f).replace("{tmp}", str(files)) for f in flags]
     if "--out-dir" not in flags:
         flags += ["--out-dir", str(tmp / "run")]
-    return [*flags, "--cache-dir", str(tmp / "cache")]
+    if script == "prepare_data.py":
+        return [*flags, "--workers", "1"]
+    if "--data" not in flags:
+        flags += ["--data", str({"fsdp2_sft.py": BUILTIN_SFT, "fsdp2_grpo.py": BUILTIN_RL}.get(script, TINY_DATA))]
+    return flags
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS)
@@ -273,24 +292,20 @@ def empty_and_foreign_files(tmp):
     return paths
 
 
-@pytest.mark.parametrize("stage", ["train", "sft"])
-def test_empty_or_foreign_data_files_are_one_error_line_and_write_nothing(stage, tmp_path):
-    """In process, for speed: the loader raises one UsageError line naming --data (the table above shows the
-    scripts print such a line once, with no traceback); the cache is left empty."""
-    load = data.load_pretraining_data if stage == "train" else data.load_sft_data
-    tokenizer = common.get_tokenizer() if stage == "train" else common.get_chat_tokenizer()
+@pytest.mark.parametrize("kind", ["pretrain", "sft"])
+def test_empty_or_foreign_data_files_are_one_error_line_and_write_nothing(kind, tmp_path):
+    """In process, for speed: preparing them raises one UsageError line naming --data (the table above shows the
+    command prints such a line once, with no traceback), and leaves no folder, partial or not; a training script
+    given one says it is not prepared."""
     for name, path in empty_and_foreign_files(tmp_path / "data").items():
-        # the SFT's --data is one source (its help, not pretraining's, says so)
-        parser = (common.get_parser("", str(tmp_path / "run")) if stage == "train" else
-                  common.get_parser("", str(tmp_path / "run"), "sft", data_help="conversations"))
-        args = common.finalize_args(parser.parse_args(["--model", "tiny", "--data", str(path),
-                                                       "--cache-dir", str(tmp_path / "cache")]))
+        args = argparse.Namespace(data=str(path), data_config=None, text_field="text", max_docs=0)
         with pytest.raises(common.UsageError) as error:
-            load(args, tokenizer)
+            prepare_data.prepare(args, kind, tmp_path / "prepared" / "out", workers=1, progress=False)
         message = str(error.value)
         assert message.startswith(f"--data {path}") and "\n" not in message and len(message) < 400, (name, message)
-    # no partial folder left either
-    assert not list((tmp_path / "cache").rglob("*")) and not (tmp_path / "run").exists()
+        with pytest.raises(common.UsageError, match="no complete folder written by prepare_data.py"):
+            data.open_prepared(path, conversations=kind == "sft")
+    assert not list((tmp_path / "prepared").iterdir())
 
 
 def test_no_case_changed_a_byte_of_the_files_they_read(bad_input_files):

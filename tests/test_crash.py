@@ -16,8 +16,9 @@ import checkpoints
 import common
 import metrics
 from helpers import (
+    BUILTIN_TEXT,
     EXTRA_FLAGS,
-    SFT_DATA,
+    RL_DATA,
     TINY_RUN,
     assert_same_weights_and_moments,
     check,
@@ -39,7 +40,7 @@ CRASHES = {  # script, moment (tests/crash.py's CRASH_AT: counted from the resum
 
 def flags_of(script, tiny_run):
     """The shared tiny run's flags; GRPO's also name the SFT run it starts from, as conftest's tiny_run does."""
-    source = (["--init-from", tiny_run("fsdp2_sft.py")[0], "--eval-generate", 8, *SFT_DATA] if script == "fsdp2_grpo.py"
+    source = (["--init-from", tiny_run("fsdp2_sft.py")[0], "--eval-generate", 8, *RL_DATA] if script == "fsdp2_grpo.py"
               else [])
     return [*TINY_RUN, *EXTRA_FLAGS.get(script, []), *source]
 
@@ -110,9 +111,9 @@ def test_resume_after_a_crash_trains_the_same_steps_as_the_uninterrupted_run(cas
 @pytest.mark.parametrize("script,nproc", [("ddp_pretrain.py", 1), ("fsdp2_pretrain.py", 2)])
 def test_a_nonfinite_loss_stops_every_rank_before_the_update_and_saves_nothing_poisoned(script, nproc, tmp_path):
     # A learning rate of 1e9 makes the first update enormous: the next forward overflows to inf/NaN.
-    result = run_script(script, "--model", "tiny", "--lr", 1e9, "--warmup-steps", 1, "--max-steps", 6,
-                        "--save-every", 1, "--eval-every", 100, "--val-fraction", 0.002, "--dtype", "fp32",
-                        "--out-dir", tmp_path, nproc=nproc, torchrun=nproc > 1)
+    result = run_script(script, "--model", "tiny", "--data", BUILTIN_TEXT, "--lr", 1e9, "--warmup-steps", 1,
+                        "--max-steps", 6, "--save-every", 1, "--eval-every", 100, "--val-fraction", 0.002, "--dtype",
+                        "fp32", "--out-dir", tmp_path, nproc=nproc, torchrun=nproc > 1)
     # Its own exit status, not bad input's (2): one process exits with it, torchrun names it for its ranks.
     status = metrics.NonFiniteLoss.exit_status
     assert status == 4 != common.UsageError.exit_status and not traceback_through_our_code(result.stderr)

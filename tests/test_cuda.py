@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.distributed.pipelining import Schedule1F1B
 
-from helpers import REPO, read_metrics
+from helpers import BUILTIN_RL, BUILTIN_SFT, BUILTIN_TEXT, REPO, read_metrics
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: benchmarks/gpu_check.py runs it")
 # pp_pretrain.py hands the loss its scale through the schedule's loss_kwargs, which torch 2.11 (the lent GPU machine's
@@ -50,17 +50,14 @@ def start(script, *flags, log):
 def cuda_runs(tmp_path_factory):
     """{run name: (out_dir, exit status, output)} of every run above."""
     root = tmp_path_factory.mktemp("cuda")
-    # Prepared once here: seven runs preparing the built-in text into one cache at once would all tokenize it.
-    subprocess.run([sys.executable, "prepare_data.py", "--data", "builtin", "--out-dir", root / "builtin"], cwd=REPO,
-                   check=True, capture_output=True)
-    processes = {name: start(*script_flags[:1], *TINY_STEPS, *script_flags[1:], "--data", root / "builtin",
+    processes = {name: start(*script_flags[:1], *TINY_STEPS, *script_flags[1:], "--data", BUILTIN_TEXT,
                              "--out-dir", root / name, log=root / f"{name}.log")
                  for name, script_flags in PRETRAINING.items() if name != "pp_pretrain" or PIPELINE_SCALES_LOSS}
     processes["fsdp2_pretrain"].wait(timeout=300)
-    processes["fsdp2_sft"] = start("fsdp2_sft.py", *TINY_STEPS, "--data", "builtin", "--init-from",
+    processes["fsdp2_sft"] = start("fsdp2_sft.py", *TINY_STEPS, "--data", BUILTIN_SFT, "--init-from",
                                    root / "fsdp2_pretrain", "--out-dir", root / "fsdp2_sft", log=root / "fsdp2_sft.log")
     processes["fsdp2_sft"].wait(timeout=300)
-    processes["fsdp2_grpo"] = start("fsdp2_grpo.py", *TINY_STEPS, "--data", "builtin", "--init-from",
+    processes["fsdp2_grpo"] = start("fsdp2_grpo.py", *TINY_STEPS, "--data", BUILTIN_RL, "--init-from",
                                     root / "fsdp2_sft", "--out-dir", root / "fsdp2_grpo", log=root / "fsdp2_grpo.log")
     return {name: (root / name, process.wait(timeout=300), (root / f"{name}.log").read_text(errors="replace"))
             for name, process in processes.items()}

@@ -8,7 +8,7 @@ import torch
 
 import common
 import data
-from helpers import TINY_RUN
+from helpers import BUILTIN_TEXT, TINY_RUN
 
 BUCKETS = [32, 64, 128]
 
@@ -45,7 +45,9 @@ def list_schedule(lengths, buckets, tokens_per_batch, world_size, grad_accum, se
 
 
 def parse(flags):
-    return common.finalize_args(common.get_parser("", "runs/x").parse_args([str(flag) for flag in flags]))
+    parser = common.get_parser("", "runs/x")
+    parser.add_argument("--data", nargs="+", default=[str(BUILTIN_TEXT)])  # the pretraining scripts', the tests' copy
+    return common.finalize_args(parser.parse_args([str(flag) for flag in flags]))
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +57,7 @@ def builtin_args():
 
 @pytest.fixture(scope="module")
 def builtin_splits(builtin_args):
-    return data.load_pretraining_data(builtin_args, common.get_tokenizer())
+    return data.load_pretraining_data(builtin_args)
 
 
 @pytest.mark.parametrize("corpus", ["builtin", "tiny run", "random"])
@@ -67,7 +69,7 @@ def test_schedule_equals_the_list_schedule_bit_for_bit(corpus, world_size, grad_
                                               builtin_args.tokens_per_batch)
     elif corpus == "tiny run":
         args = parse(TINY_RUN)
-        lengths, buckets, tokens_per_batch = (data.load_pretraining_data(args, common.get_tokenizer())[0].lengths,
+        lengths, buckets, tokens_per_batch = (data.load_pretraining_data(args)[0].lengths,
                                               args.buckets, 512)
     else:
         lengths, buckets, tokens_per_batch = random_lengths(), BUCKETS, 512
@@ -132,7 +134,7 @@ def test_ranks_get_disjoint_samples():
 def test_chunking_makes_every_token_but_the_first_a_target_exactly_once():
     lengths = [1000, 128, 129, 5, 2]  # longer than the bucket, exactly it, one more, short ones
     offsets = np.concatenate([[0], np.cumsum(lengths)])
-    corpus = data.Corpus(np.arange(offsets[-1]), offsets, None, "")
+    corpus = data.Corpus(np.arange(offsets[-1]), offsets, None, False, "")
     starts, sample_lengths = data.document_samples(corpus, np.array([0, 1, 2, 3, 4]), 128)
     assert sample_lengths.max() == 128 and sample_lengths.min() >= 2
     for document, length in enumerate(lengths):
@@ -164,7 +166,7 @@ def split_of(samples, mask=None):
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     tokens = np.concatenate(samples).astype(np.uint16)
     counts = lengths - 1 if mask is None else np.array([mask[s + 1:s + n].sum() for s, n in zip(starts, lengths)])
-    return data.Split([tokens], [mask], np.zeros(len(starts), dtype=np.int64), starts, lengths, counts, None, "")
+    return data.Split([tokens], [mask], np.zeros(len(starts), dtype=np.int64), starts, lengths, counts, None, False, "")
 
 
 def test_collate_pads_right_and_never_targets_padding():

@@ -11,7 +11,7 @@ import pytest
 
 import common
 import metrics
-from helpers import TINY_RUN, check, copy_checkpoint, read_metrics, run_script
+from helpers import BUILTIN_TEXT, TINY_RUN, check, copy_checkpoint, read_metrics, run_script
 
 
 @pytest.fixture(scope="module")
@@ -88,17 +88,18 @@ def write_unequal_documents(path, n=40, seed=0):
 
 def test_gradients_do_not_depend_on_how_the_global_batch_is_split(tmp_path):
     """Same 8 unequal-length samples: 1 rank x 8, 2 ranks x 4, 1 rank x 2 micro-batches x 4."""
-    data = tmp_path / "docs.jsonl"
-    lengths = write_unequal_documents(data)
+    lengths = write_unequal_documents(tmp_path / "docs.jsonl")
     assert len(set(lengths)) > 10  # unequal lengths: a mean of per-batch means would differ
-    common_flags = ["--model", "tiny", "--data", data, "--buckets", 64, "--max-steps", 2, "--warmup-steps", 1]
+    check(run_script("prepare_data.py", "--data", tmp_path / "docs.jsonl", "--out-dir", tmp_path / "docs"))
+    common_flags = ["--model", "tiny", "--data", tmp_path / "docs", "--buckets", 64, "--max-steps", 2,
+                    "--warmup-steps", 1]
     layouts = {"1 rank": (1, 512, 1), "2 micro-steps": (1, 256, 2), "2 ranks": (2, 256, 1)}
 
     def run(name):  # the one-process layouts run side by side: each spends most of its time starting up
         nproc, tokens_per_batch, grad_accum = layouts[name]
         out = tmp_path / name.replace(" ", "_")
         check(run_script("ddp_pretrain.py", *common_flags, "--tokens-per-batch", tokens_per_batch, "--grad-accum",
-                         grad_accum, "--cache-dir", out / "cache", "--out-dir", out, nproc=nproc))
+                         grad_accum, "--out-dir", out, nproc=nproc))
         return read_metrics(out)[0]
 
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -112,7 +113,7 @@ def test_gradients_do_not_depend_on_how_the_global_batch_is_split(tmp_path):
 
 
 def test_plain_python_runs_as_a_single_process(tmp_path):
-    check(run_script("ddp_pretrain.py", "--model", "tiny", "--max-steps", 2, "--val-fraction", 0.002,
-                     "--out-dir", tmp_path, torchrun=False))
+    check(run_script("ddp_pretrain.py", "--model", "tiny", "--data", BUILTIN_TEXT, "--max-steps", 2,
+                     "--val-fraction", 0.002, "--out-dir", tmp_path, torchrun=False))
     train, _ = read_metrics(tmp_path)
     assert sorted(train) == [1, 2] and train[1]["padded_tokens"] == train[1]["batch_size"] * train[1]["bucket_len"]

@@ -112,10 +112,11 @@ def test_arith_gen_equals_the_sft_scripts_val_accuracy(tiny_run, tmp_path):
     own --val-fraction, which the checkpoint records), and the same accuracy on its checkpoint; the command writes
     every task's rows."""
     out, _ = tiny_run("fsdp2_sft.py")
-    parser = common.get_parser("", str(tmp_path), "sft", data_help="conversations")  # --data one source, as the SFT's
-    args = common.finalize_args(parser.parse_args([*map(str, TINY_RUN), *SFT_DATA]))
+    parser = common.get_parser("", str(tmp_path), "sft")
+    parser.add_argument("--data")  # one folder, as the SFT's
+    args = common.finalize_args(parser.parse_args([*map(str, TINY_RUN), *map(str, SFT_DATA)]))
     tokenizer = common.get_chat_tokenizer()
-    prompts, answers, _ = data.answer_prompts(tokenizer, data.load_sft_data(args, tokenizer)[1]["builtin"], 8)
+    prompts, answers, _ = data.answer_prompts(tokenizer, data.load_sft_data(args)[1]["builtin-sft"], 8)
     problems = evaluate.task_problems("arith_gen", argparse.Namespace(limit=8, val_fraction=args.val_fraction))
     assert [evaluate.chat_prompt(tokenizer, question) for question, _, _ in problems] == prompts
     assert [answer for _, _, answer in problems] == answers

@@ -16,7 +16,7 @@ import common
 import export_hf
 import modeling
 import tasks
-from helpers import REPO, check, read_metrics, run_script, tree_hashes
+from helpers import REPO, SFT_DATA, check, read_metrics, run_script, tree_hashes
 
 SCRIPTS = ["ddp_pretrain.py", "fsdp1_pretrain.py", "fsdp2_pretrain.py", "fsdp2_tp_pretrain.py", "fsdp2_cp_pretrain.py",
            "pp_pretrain.py", "fsdp2_sft.py", "fsdp2_grpo.py"]
@@ -169,7 +169,7 @@ def test_the_sft_starts_from_an_exported_folder_as_from_its_checkpoint(exported,
     def first_loss(init):  # the two runs side by side, a process each
         out = tmp_path / init.name
         check(run_script("fsdp2_sft.py", "--model", "tiny", "--init-from", init, "--max-steps", 1, "--eval-generate", 0,
-                         "--val-fraction", 0.002, "--cache-dir", out / "cache", "--out-dir", out))
+                         "--val-fraction", 0.002, *SFT_DATA, "--out-dir", out))
         return read_metrics(out)[0][1]["loss"]
 
     with ThreadPoolExecutor(max_workers=2) as pool:

@@ -14,7 +14,7 @@ import common
 import evaluate
 import prepare_data
 import tasks
-from helpers import SFT_DATA, TINY_RUN, check, model_tensors, read_metrics, reply_saying, run_script
+from helpers import RL_DATA, TINY_RUN, check, model_tensors, read_metrics, reply_saying, run_script
 
 
 def fixed(mode, *flags, nproc=2):
@@ -60,7 +60,7 @@ def test_grpo_logs_its_rollouts_and_learns_nothing_it_should_not(tiny_run):
 def test_equal_rewards_give_zero_loss_and_leave_the_weights_unchanged(tiny_run, tmp_path):
     sft_dir, _ = tiny_run("fsdp2_sft.py")
     out = tmp_path / "grpo"
-    check(fixed("constant", *TINY_RUN, *SFT_DATA, "--init-from", sft_dir, "--weight-decay", 0, "--max-steps", 2,
+    check(fixed("constant", *TINY_RUN, *RL_DATA, "--init-from", sft_dir, "--weight-decay", 0, "--max-steps", 2,
                 "--eval-generate", 0, "--out-dir", out))
     train, _ = read_metrics(out)
     for row in train.values():
@@ -79,7 +79,9 @@ def one_question_data(tmp_path):
     two steps of two prompts and one of one."""
     path = tmp_path / "qa.jsonl"
     path.write_text((json.dumps({"prompt": QUESTION, "answer": "The answer is 7."}) + "\n") * 6)  # in its words
-    return path
+    prepare_data.prepare(argparse.Namespace(data=str(path), data_config=None, text_field="text", max_docs=0), "sft",
+                         tmp_path / "qa", workers=1, progress=False)
+    return tmp_path / "qa"
 
 
 def test_the_loss_is_the_policy_gradient_computed_in_plain_pytorch_and_a_rank_without_prompts_adds_nothing(tiny_run,
@@ -122,7 +124,7 @@ def test_the_loss_is_the_policy_gradient_computed_in_plain_pytorch_and_a_rank_wi
 def test_one_rank_and_two_ranks_take_the_same_steps_on_the_same_rollouts(tiny_run, tmp_path):
     sft_dir, _ = tiny_run("fsdp2_sft.py")
     # Groups of 10 replies answering 0..9: each group has exactly one right reply, whatever its prompt.
-    flags = [*TINY_RUN, *SFT_DATA, "--init-from", sft_dir, "--group-size", 10, "--max-steps", 3, "--eval-every", 100,
+    flags = [*TINY_RUN, *RL_DATA, "--init-from", sft_dir, "--group-size", 10, "--max-steps", 3, "--eval-every", 100,
              "--eval-generate", 0]
     layouts = [("two", 2, 2), ("one", 1, 4)]  # name, ranks, prompts per rank: 4 prompts a step either way
 

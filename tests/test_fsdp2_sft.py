@@ -14,7 +14,7 @@ def test_init_from_loads_every_pretrained_parameter(tiny_run, tmp_path):
     pretrain_dir, _ = tiny_run("fsdp2_pretrain.py")
     # lr 0: the step-1 checkpoint holds exactly the weights the SFT started from.
     check(run_script("fsdp2_sft.py", "--model", "tiny", "--init-from", pretrain_dir, "--lr", 0, "--max-steps", 1,
-                     "--eval-generate", 0, "--val-fraction", 0.002, "--out-dir", tmp_path / "sft", nproc=2))
+                     "--eval-generate", 0, "--val-fraction", 0.002, *SFT_DATA, "--out-dir", tmp_path / "sft", nproc=2))
     pretrained = model_tensors(pretrain_dir / "checkpoints" / "step_20", tmp_path)
     finetuned = model_tensors(tmp_path / "sft" / "checkpoints" / "step_1", tmp_path)
     assert pretrained.keys() == finetuned.keys() and len(pretrained) == 27  # 26 parameters, the tied head twice

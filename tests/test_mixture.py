@@ -12,7 +12,7 @@ import checkpoints
 import common
 import data
 import plot
-from helpers import TINY_CORPUS, TINY_RUN, check, copy_checkpoint, read_metrics, run_script
+from helpers import BUILTIN_SFT, TINY_DATA, TINY_RUN, check, copy_checkpoint, read_metrics, run_script
 
 
 def two_sources(sizes=(300, 40), seed=0):
@@ -21,7 +21,7 @@ def two_sources(sizes=(300, 40), seed=0):
     lengths = [rng.integers(2, 129, size=n) for n in sizes]
     return data.Split([None, None], [None, None], np.concatenate([np.full(n, i) for i, n in enumerate(sizes)]),
                       np.zeros(sum(sizes), dtype=np.int64), np.concatenate(lengths), np.concatenate(lengths) - 1,
-                      np.array([0.7, 0.3]), "")
+                      np.array([0.7, 0.3]), False, "")
 
 
 def test_a_mixture_gives_each_source_its_share_of_every_epochs_tokens():
@@ -46,10 +46,11 @@ def test_a_mixture_gives_each_source_its_share_of_every_epochs_tokens():
 
 
 def test_sources_parse_with_their_weights_or_none():
-    assert data.parse_sources(["builtin:0.7", "builtin-chat:0.3"]) == [("builtin", 0.7), ("builtin-chat", 0.3)]
-    assert data.parse_sources(["a.jsonl:3", "b.jsonl:1"]) == [("a.jsonl", 0.75), ("b.jsonl", 0.25)]
+    assert data.parse_sources(["data/builtin:0.7", "data/builtin-sft:0.3"]) == [("data/builtin", 0.7),
+                                                                               ("data/builtin-sft", 0.3)]
+    assert data.parse_sources(["a:3", "b:1"]) == [("a", 0.75), ("b", 0.25)]
     assert data.parse_sources(["data/fineweb-edu", "C:/x"]) == [("data/fineweb-edu", None), ("C:/x", None)]
-    assert data.source_names(["builtin", "/tmp/a/corpus.jsonl", "HuggingFaceFW/fineweb-edu", "b/corpus.txt"]) == [
+    assert data.source_names(["data/builtin", "/tmp/a/corpus", "data/fineweb-edu/", "b/corpus"]) == [
         "builtin", "corpus-1", "fineweb-edu", "corpus-3"]
 
 
@@ -67,18 +68,12 @@ def test_wsd_warms_up_holds_the_peak_then_decays_to_the_floor_linearly_or_as_one
     assert lr(99, "1-sqrt") == pytest.approx(0.1 + 0.9 * (1 - math.sqrt(11 / 22)))
 
 
-def test_a_model_knows_the_chat_format_from_a_chat_script_or_from_builtin_chat():
-    assert checkpoints.knows_chat_format({"chat_format": True, "data": "builtin"})
-    assert checkpoints.knows_chat_format({"script": "fsdp2_pretrain", "data": ["builtin:0.7", "builtin-chat:0.3"]})
-    assert not checkpoints.knows_chat_format({"script": "fsdp2_pretrain", "data": ["builtin"]})
-
-
 @pytest.fixture(scope="module")
 def midtraining(tiny_run, tmp_path_factory):
     """FSDP2 on 2 ranks from the shared DDP run's last weights (torch.save's format), on the tests' corpus and the
     built-in conversations 60:40, warmup-stable-decay over 20 steps. Returns (out_dir, flags)."""
     out = tmp_path_factory.mktemp("mid") / "run"
-    flags = [*TINY_RUN, "--data", f"{TINY_CORPUS}:0.6", "builtin-chat:0.4", "--init-from",
+    flags = [*TINY_RUN, "--data", f"{TINY_DATA}:0.6", f"{BUILTIN_SFT}:0.4", "--init-from",
              tiny_run("ddp_pretrain.py")[0], "--lr-schedule", "wsd", "--decay-fraction", 0.5]
     check(run_script("fsdp2_pretrain.py", *flags, "--out-dir", out, nproc=2))
     return out, flags
@@ -93,10 +88,11 @@ def test_midtraining_starts_from_the_weights_and_logs_each_sources_validation_lo
     assert validation[0]["val_loss/tiny_corpus"] == pytest.approx(read_metrics(tiny_run("ddp_pretrain.py")[0])[1][20],
                                                                    abs=1e-6)
     # val_loss: the sources' losses weighted by their target tokens.
-    args = common.finalize_args(common.get_parser("", "runs/x").parse_args(list(map(str, flags))))
-    _, val = data.load_pretraining_data(args, common.get_tokenizer())
+    parser = common.get_parser("", "runs/x")
+    parser.add_argument("--data", nargs="+")
+    _, val = data.load_pretraining_data(common.finalize_args(parser.parse_args(list(map(str, flags)))))
     counts = {name: int(split.target_counts.sum()) for name, split in val.items()}
-    assert sorted(counts) == ["builtin-chat", "tiny_corpus"]
+    assert sorted(counts) == ["builtin-sft", "tiny_corpus"]
     for row in validation:
         mean = sum(row[f"val_loss/{name}"] * count for name, count in counts.items()) / sum(counts.values())
         assert row["val_loss"] == pytest.approx(mean, rel=1e-6)
@@ -104,8 +100,12 @@ def test_midtraining_starts_from_the_weights_and_logs_each_sources_validation_lo
     assert {train[step]["lr"] for step in range(5, 11)} == {3e-3} and train[20]["lr"] < train[12]["lr"] < 3e-3  # wsd
     config = json.loads((out / "config.json").read_text())
     assert config["flags"]["init_from"] == str(tiny_run("ddp_pretrain.py")[0])
-    assert validation[-1]["val_loss/builtin-chat"] < validation[0]["val_loss/builtin-chat"] - 1  # it learns them
-    assert {"validation loss: builtin-chat against step", "validation loss: tiny_corpus against step"} <= set(
+    assert validation[-1]["val_loss/builtin-sft"] < validation[0]["val_loss/builtin-sft"] - 1  # it learns them
+    # The model learned the chat format (conversations read as text): its checkpoints say so, the DDP run's do not.
+    assert json.loads((out / "checkpoints" / "step_20" / "meta.json").read_text())["chat_format"] is True
+    assert checkpoints.read_meta(checkpoints.resolve_checkpoint(tiny_run("ddp_pretrain.py")[0]), "x")[
+        "chat_format"] is False
+    assert {"validation loss: builtin-sft against step", "validation loss: tiny_corpus against step"} <= set(
         plot.plot([out], tmp_path / "mid.png"))  # a panel per source
 
 

@@ -11,7 +11,7 @@ import pytest
 
 import pipeline
 import tasks as builtin_tasks
-from helpers import REPO, TINY_CORPUS, check, read_metrics, run_script
+from helpers import BUILTIN_RL, BUILTIN_SFT, REPO, TINY_DATA, check, read_metrics, run_script
 
 
 def test_the_pipeline_runs_its_stages_from_the_one_before_and_reports_them(tiny_run, tmp_path):
@@ -22,7 +22,8 @@ def test_the_pipeline_runs_its_stages_from_the_one_before_and_reports_them(tiny_
         shutil.copytree(tiny_run(script)[0], out / stage)
     flags = ["--model", "tiny", "--nproc", 1, "--seed", 3, "--out-dir", out, "--stages",
              "mid,grpo,control,reference,eval",
-             "--pretrain-data", TINY_CORPUS, "--cache-dir", TINY_CORPUS.parent / "cache", "--dtype", "fp32",
+             "--pretrain-data", TINY_DATA, "--mid-data", BUILTIN_SFT, "--sft-data", BUILTIN_SFT, "--rl-data",
+             BUILTIN_RL, "--dtype", "fp32",
              "--max-steps", 4, "--eval-every", 4, "--save-every", 4, "--val-fraction", 0.002, "--eval-limit", 4]
     started = datetime.date.today()
     check(run_script("pipeline.py", *flags))
@@ -31,11 +32,11 @@ def test_the_pipeline_runs_its_stages_from_the_one_before_and_reports_them(tiny_
     assert configs["grpo"]["init_from"] == configs["control"]["init_from"] == str(out / "sft")
     # Midtraining: pretraining from the pretrain stage's weights, on its text and the built-in conversations 70:30.
     assert configs["mid"]["init_from"] == str(out / "pretrain") and configs["mid"]["lr_schedule"] == "wsd"
-    assert configs["mid"]["data"] == [f"{TINY_CORPUS}:0.7", "builtin-chat:0.3"]
+    assert configs["mid"]["data"] == [f"{TINY_DATA}:0.7", f"{BUILTIN_SFT}:0.3"]
     # The reference: the SFT from midtraining's weights, on the built-in set with every solve row worked.
     assert configs["reference"]["init_from"] == str(out / "mid")
     reference_rows = [json.loads(line) for line in (out / "reference.jsonl").read_text().splitlines()]
-    assert configs["reference"]["data"] == str(out / "reference.jsonl")
+    assert configs["reference"]["data"] == str(out / "reference-data")
     assert len(reference_rows) == len(builtin_tasks.builtin_sft_records())
     assert all("First, " in row["conversations"][1]["value"] for row in reference_rows)
     # The control: as many steps as GRPO's time holds at the SFT's pace, at the SFT's final rate, held.
@@ -88,7 +89,8 @@ def test_the_pipeline_runs_its_stages_from_the_one_before_and_reports_them(tiny_
 def test_bad_input_is_one_line_before_any_stage_runs(tmp_path):
     result = run_script("pipeline.py", "--stages", "pretrain,rlhf", "--out-dir", tmp_path / "run")
     assert result.returncode == 2 and result.stderr.startswith("error: argument --stages: unknown stage rlhf")
-    result = run_script("pipeline.py", "--stages", "control", "--out-dir", tmp_path / "run")
+    result = run_script("pipeline.py", "--stages", "control", "--out-dir", tmp_path / "run", "--sft-data", BUILTIN_SFT,
+                        "--pretrain-data", TINY_DATA, "--mid-data", BUILTIN_SFT, "--rl-data", BUILTIN_RL)  # prepared
     lines = result.stderr.splitlines()
     assert result.returncode == 2 and len(lines) == 1 and "run its stage first (--stages)" in lines[0], result.stderr
     assert not (tmp_path / "run" / "control").exists()

@@ -18,7 +18,7 @@ import pytest
 import common
 import data
 import prepare_data
-from helpers import PYTHON, REPO, TINY_RUN, check, run_script
+from helpers import PYTHON, REPO, TINY_DATA, check, run_script
 
 WORDS = ("the interpreter reads 42 lines of code, naïve café 東京 🙂 "
          "def f(x): return x ** 2\n\nand then").split(" ")
@@ -33,9 +33,16 @@ def write_parquet(path, n_docs, seed=0, words_per_doc=(1, 400)):
     return texts
 
 
-def args_for(data, *flags):
+def args_for(folder, *flags):
+    """A pretraining script's flags, reading --data FOLDER."""
     parser = common.get_parser("", "runs/x")
-    return common.finalize_args(parser.parse_args(["--model", "tiny", "--data", str(data), *map(str, flags)]))
+    parser.add_argument("--data", nargs="+")
+    return common.finalize_args(parser.parse_args(["--model", "tiny", "--data", str(folder), *map(str, flags)]))
+
+
+def source(path):
+    """prepare_data.py's flags, reading --data PATH."""
+    return argparse.Namespace(data=str(path), data_config=None, text_field="text", max_docs=100_000)
 
 
 def sha256(path):
@@ -47,8 +54,7 @@ def prepared(tmp_path_factory):
     """A 3,000-document parquet file prepared in process with 1 worker, and with the command line and 2 workers."""
     tmp = tmp_path_factory.mktemp("prepare")
     texts = write_parquet(tmp / "docs.parquet", 3000)
-    args = argparse.Namespace(**{**vars(args_for(tmp / "docs.parquet")), "data": str(tmp / "docs.parquet")})  # one
-    prepare_data.prepare(args, "pretrain", tmp / "one", workers=1, progress=False)
+    prepare_data.prepare(source(tmp / "docs.parquet"), "pretrain", tmp / "one", workers=1, progress=False)
     result = check(run_script("prepare_data.py", "--data", tmp / "docs.parquet", "--out-dir", tmp / "two",
                               "--workers", 2, torchrun=False))
     return tmp, texts, result
@@ -70,22 +76,23 @@ def test_prepared_bytes_are_the_same_for_1_and_2_workers_and_equal_tiktoken(prep
     assert f"{len(expected):,} tokens" in result.stdout
 
 
-def test_training_reads_a_prepared_folder_as_it_reads_its_source(prepared):
+def test_training_maps_a_prepared_folder_and_preparing_it_again_keeps_it(prepared):
     tmp, _, _ = prepared
-    from_folder = data.load_pretraining_data(args_for(tmp / "two"), common.get_tokenizer())
-    from_source = data.load_pretraining_data(args_for(tmp / "docs.parquet", "--cache-dir", tmp / "cache"),
-                                             common.get_tokenizer())
-    for a, b in zip([from_folder[0], *from_folder[1].values()], [from_source[0], *from_source[1].values()]):
+    one, two = (data.load_pretraining_data(args_for(tmp / name)) for name in ("one", "two"))
+    for a, b in zip([one[0], *one[1].values()], [two[0], *two[1].values()]):
         assert (np.array_equal(a.starts, b.starts) and np.array_equal(a.lengths, b.lengths)
                 and a.content_sha256 == b.content_sha256)
-    assert (isinstance(from_folder[0].tokens[0], np.memmap)
-            and Path(from_folder[0].tokens[0].filename) == tmp / "two" / "tokens.bin")
+    assert isinstance(two[0].tokens[0], np.memmap) and Path(two[0].tokens[0].filename) == tmp / "two" / "tokens.bin"
+    before = {path.name: path.stat().st_mtime_ns for path in (tmp / "two").iterdir()}
+    result = check(run_script("prepare_data.py", "--data", tmp / "docs.parquet", "--out-dir", tmp / "two"))
+    assert "already: kept" in result.stdout
+    assert before == {path.name: path.stat().st_mtime_ns for path in (tmp / "two").iterdir()}
 
 
 @pytest.mark.parametrize("change,words", [
     (lambda meta: meta.update(version=0), "format"),
     (lambda meta: meta["tokenizer"]["special_tokens"].update({"<|other|>": 50257}), "another tokenizer"),
-    (lambda meta: meta.update(kind="sft"), "holds sft data"),
+    (lambda meta: None, "holds text"),  # given to a script that trains on conversations
 ])
 def test_a_folder_of_another_format_tokenizer_or_kind_is_refused_in_one_line(change, words, prepared, tmp_path):
     folder = shutil.copytree(prepared[0] / "one", tmp_path / "copy")
@@ -93,7 +100,7 @@ def test_a_folder_of_another_format_tokenizer_or_kind_is_refused_in_one_line(cha
     change(meta)
     (folder / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(common.UsageError) as error:
-        data.load_pretraining_data(args_for(folder), common.get_tokenizer())
+        data.open_prepared(folder, conversations=words == "holds text")
     assert (str(error.value).startswith(f"--data {folder}") and words in str(error.value)
             and "\n" not in str(error.value))
 
@@ -117,16 +124,16 @@ def test_a_killed_preparation_leaves_no_folder_that_training_accepts(tmp_path):
     process.wait()
     partial = next(tmp_path.glob(".prepared.partial-*"))
     assert not out_dir.exists() and (partial / "tokens.bin").stat().st_size > 0 and not (partial / "meta.json").exists()
-    with pytest.raises(common.UsageError, match="not a complete prepared folder"):
-        data.load_pretraining_data(args_for(partial), common.get_tokenizer())
+    with pytest.raises(common.UsageError, match="no complete folder written by prepare_data.py"):
+        data.load_pretraining_data(args_for(partial))
     prepare_data.remove_stale_partials(out_dir)  # what the next preparation does first: its process is gone
     assert not partial.exists()
 
 
 def test_the_tiny_runs_corpus_crosses_an_epoch_boundary_between_its_checkpoints():
     """What makes every resume test from step 10 cross an epoch (helpers.TINY_RUN)."""
-    args = common.finalize_args(common.get_parser("", "runs/x").parse_args(list(map(str, TINY_RUN))))
-    train, _ = data.load_pretraining_data(args, common.get_tokenizer())
+    args = args_for(TINY_DATA)
+    train, _ = data.load_pretraining_data(args)
     assert 10 < len(data.epoch_schedule(train.lengths, args.buckets, args.tokens_per_batch, 2, 1, args.seed, 0)) < 20
 
 
@@ -141,8 +148,10 @@ def test_a_folder_written_by_save_to_disk_is_read_as_the_dataset_it_holds(layout
     if layout == "DatasetDict":  # the train split is read; the other split is not
         dataset = datasets.DatasetDict({"train": dataset, "test": datasets.Dataset.from_dict({"text": ["held apart"]})})
     dataset.save_to_disk(str(tmp_path / "saved"))
-    cache = ["--cache-dir", tmp_path / "cache"]
-    from_saved = data.load_pretraining_data(args_for(tmp_path / "saved", *cache), common.get_tokenizer())
-    from_jsonl = data.load_pretraining_data(args_for(tmp_path / "docs.jsonl", *cache), common.get_tokenizer())
+    for name in ("saved", "docs.jsonl"):
+        prepare_data.prepare(source(tmp_path / name), "pretrain", tmp_path / f"prepared-{name}", workers=1,
+                             progress=False)
+    from_saved = data.load_pretraining_data(args_for(tmp_path / "prepared-saved"))
+    from_jsonl = data.load_pretraining_data(args_for(tmp_path / "prepared-docs.jsonl"))
     for saved, jsonl in zip([from_saved[0], *from_saved[1].values()], [from_jsonl[0], *from_jsonl[1].values()]):
         assert np.array_equal(saved.lengths, jsonl.lengths) and saved.content_sha256 == jsonl.content_sha256

@@ -3,6 +3,7 @@ no message can forge a turn, and both dataset schemas give the same samples."""
 import argparse
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pandas
@@ -83,9 +84,12 @@ def test_builtin_reasoning_set_is_deterministic_and_correct():
         assert all(eval(f"{a} {op} {b}") == int(c) for a, op, b, c in steps)
 
 
-def sft_args(tmp_path, data):
-    return argparse.Namespace(data=str(data), data_config=None, text_field="text", max_docs=None, val_fraction=0.25,
-                              cache_dir=str(tmp_path / "cache"), buckets=[128])
+def sft_args(tmp_path, source):
+    """The SFT's flags on SOURCE, prepared as `prepare_data.py --sft` prepares it."""
+    folder = tmp_path / f"prepared-{Path(source).name}"
+    prepare_data.prepare(argparse.Namespace(data=str(source), data_config=None, text_field="text", max_docs=None),
+                         "sft", folder, workers=1, progress=False)
+    return argparse.Namespace(data=str(folder), val_fraction=0.25, buckets=[128])
 
 
 def test_openthoughts_and_messages_schemas_load_to_the_same_samples(tmp_path, tokenizer):
@@ -101,7 +105,7 @@ def test_openthoughts_and_messages_schemas_load_to_the_same_samples(tmp_path, to
     pandas.DataFrame(messages).to_parquet(tmp_path / "messages.parquet")
     splits = {}
     for name in ("openthoughts.jsonl", "messages.parquet"):
-        splits[name] = data.load_sft_data(sft_args(tmp_path, tmp_path / name), tokenizer)
+        splits[name] = data.load_sft_data(sft_args(tmp_path, tmp_path / name))
     a, b = ([train, *val.values()] for train, val in splits.values())  # the training split, then the held-out one
     for split_a, split_b in zip(a, b):
         assert (np.array_equal(split_a.tokens[0], split_b.tokens[0])
@@ -125,7 +129,7 @@ def test_a_wrong_schema_is_a_usage_error(tmp_path, tokenizer):
                              ("no_answer", {"prompt": "hi", "completion": "there"}, "no 'answer'")]:
         (tmp_path / f"{name}.jsonl").write_text(json.dumps(row) + "\n")
         with pytest.raises(common.UsageError, match=words):
-            data.load_sft_data(sft_args(tmp_path, tmp_path / f"{name}.jsonl"), tokenizer)
+            sft_args(tmp_path, tmp_path / f"{name}.jsonl")
 
 
 def test_answer_only_rows_give_prompts_and_answers_under_each_reward(tmp_path, tokenizer):
@@ -138,7 +142,7 @@ def test_answer_only_rows_give_prompts_and_answers_under_each_reward(tmp_path, t
     (tmp_path / "qa.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     args = sft_args(tmp_path, tmp_path / "qa.jsonl")
     args.val_fraction = 0.01  # one row held out: the test reads both splits
-    splits = data.load_sft_data(args, tokenizer, kind="rl")
+    splits = data.load_sft_data(args)
     found = {}
     for reward in tasks.REWARDS:
         pairs = [pair for split in [splits[0], *splits[1].values()]

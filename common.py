@@ -5,6 +5,7 @@ strategy-specific (wrapping, checkpoint save and load, clipping, no-sync) is wri
 `diff` between them is the lesson.
 """
 import argparse
+import ast
 import functools
 import json
 import math
@@ -89,57 +90,22 @@ warnings.filterwarnings("ignore", message=".*_get_pg_default_device.*|Multiple b
 
 
 # ----------------------------------------------------------------------------------------------
-# Presets. Each one also carries the training defaults that fit it, one set per training script's kind; any flag
-# overrides them.
+# Model presets: --model's shapes. Each training script holds the training defaults that fit each one (its PRESETS).
 
 # rope_theta, the RoPE base: Qwen2's 1,000,000 serves 32K-token contexts; over a CPU preset's few dozen tokens its
 # rotations barely turn, so positions are hard to tell apart. The CPU presets take 10,000, the base for contexts of up
 # to a few thousand tokens.
 MODEL_PRESETS = {
     # Two layers, for tests: a step takes milliseconds on a CPU.
-    "tiny": dict(
-        model=dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2), rope_theta=10_000.0,
-        train=dict(buckets=[32, 48, 64, 96, 128], tokens_per_batch=512, lr=3e-3, warmup_steps=5, max_steps=20,
-                   eval_every=10, save_every=10),
-        sft=dict(buckets=[64, 96, 128], tokens_per_batch=512, lr=1e-3, warmup_steps=5, max_steps=20, eval_every=10,
-                 save_every=10, eval_generate=16),
-        grpo=dict(buckets=[72], tokens_per_batch=512, lr=1e-4, warmup_steps=2, max_steps=20, eval_every=10,
-                  save_every=10, prompts_per_step=1, eval_generate=16),
-    ),
+    "tiny": dict(model=dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2), rope_theta=10_000.0),
     # The default: learns visibly in a few minutes on a 2-core laptop CPU.
-    "small": dict(
-        model=dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-                   num_key_value_heads=2), rope_theta=10_000.0,
-        train=dict(buckets=[32, 48, 64, 96, 128, 192, 256], tokens_per_batch=1024, lr=3e-3, warmup_steps=10,
-                   max_steps=60, eval_every=20, save_every=20),
-        # The SFT's curves get 11 points (steps 0, 150, ..., 1500), each answering 50 held-out problems: evaluate.py
-        # scores the finished model on 200.
-        sft=dict(buckets=[68, 96], tokens_per_batch=512, lr=3e-3, warmup_steps=30, max_steps=1500, eval_every=150,
-                 save_every=500, eval_generate=50),
-        # RL on the built-in RL set (the solve family's questions), from the finished SFT; a bucket holds a prompt and
-        # its worked reply (about 75 tokens) and a rank's 64 replies a step are one micro-batch. 30 steps: what
-        # docs/rl.md's run needs to reach its held-out accuracy.
-        grpo=dict(buckets=[96], tokens_per_batch=6144, lr=1e-4, min_lr_ratio=1.0, warmup_steps=5, max_steps=30,
-                  eval_every=15, save_every=15, prompts_per_step=8, eval_generate=200),
-    ),
+    "small": dict(model=dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                             num_key_value_heads=2), rope_theta=10_000.0),
     # The recipe: Qwen2-0.5B shapes with the GPT-2 vocabulary (402,970,496 parameters, tied embeddings).
-    "qwen2-0.5b": dict(
-        model=dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                   num_key_value_heads=2), rope_theta=1_000_000.0,
-        train=dict(buckets=[256, 512, 1024, 1536, 2048], tokens_per_batch=16384, lr=3e-4, warmup_steps=200,
-                   max_steps=5000, eval_every=250, save_every=500),
-        sft=dict(buckets=[512, 1024, 2048, 4096, 8192], tokens_per_batch=16384, lr=5e-5, warmup_steps=50,
-                 max_steps=2000, eval_every=250, save_every=500, eval_generate=200),
-        grpo=dict(buckets=[4096], tokens_per_batch=16384, lr=1e-6, warmup_steps=10, max_steps=500, eval_every=50,
-                  save_every=100, prompts_per_step=8, eval_generate=200),
-    ),
+    "qwen2-0.5b": dict(model=dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                  num_attention_heads=14, num_key_value_heads=2), rope_theta=1_000_000.0),
 }
-
-
-def preset_defaults(model, training_defaults):
-    """The training defaults that preset `model` gives under `training_defaults` (a key of its entry, as "train")."""
-    return {"min_lr_ratio": 0.1, **MODEL_PRESETS[model][training_defaults]}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -194,24 +160,24 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose errors are one line, `error: ...`, printed by rank 0 only (no usage block). A training script's
-    parser also names the presets' training defaults it takes (training_defaults: a key of each preset's entry, as
-    "train"): a flag left unset (default None) takes the --model preset's value, and its help lists it per preset; a
-    micro-batch must then hold one sample of the largest bucket."""
+    parser also takes its training defaults per --model preset (presets: {preset: {flag name: value}}): a flag left
+    unset (default None) takes the preset's value, and its help lists it per preset; a micro-batch must then hold one
+    sample of the largest bucket."""
 
-    def __init__(self, description, training_defaults=None):
-        self.training_defaults = training_defaults  # set first: argparse's __init__ adds --help through add_argument
+    def __init__(self, description, presets=None):
+        self.presets = presets  # set first: argparse's __init__ adds --help through add_argument
         # allow_abbrev=False: a typo such as --max-step is an error, not silently --max-steps
         super().__init__(description=description, formatter_class=HelpFormatter, allow_abbrev=False)
 
     def add_argument(self, *flags, **kwargs):
-        if self.training_defaults and kwargs.get("default", 0) is None and "help" in kwargs:  # the preset may fill it
-            kwargs["help"] = preset_help(kwargs["help"], flags[-1], self.training_defaults)
+        if self.presets and kwargs.get("default", 0) is None and "help" in kwargs:  # the preset may fill it
+            kwargs["help"] = preset_help(kwargs["help"], flags[-1], self.presets)
         return super().add_argument(*flags, **kwargs)
 
     def parse_args(self, args=None, namespace=None):
         args = super().parse_args(args, namespace)
-        if self.training_defaults:  # the flags left unset take the --model preset's values
-            for name, value in preset_defaults(args.model, self.training_defaults).items():
+        if self.presets:  # the flags left unset take the --model preset's values
+            for name, value in {"min_lr_ratio": 0.1, **self.presets[args.model]}.items():
                 if name in vars(args) and getattr(args, name) is None:  # a flag of this parser (scripts add their own)
                     setattr(args, name, value)
             if args.tokens_per_batch < args.buckets[-1]:  # a micro-batch holds one sample of the largest bucket
@@ -224,10 +190,10 @@ class ArgumentParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def preset_help(help, flag, training_defaults):
+def preset_help(help, flag, presets):
     """A flag's help, and the value each preset gives it where it gives one."""
     name = flag.lstrip("-").replace("-", "_")
-    values = {model: preset_defaults(model, training_defaults).get(name) for model in MODEL_PRESETS}
+    values = {model: {"min_lr_ratio": 0.1, **presets[model]}.get(name) for model in MODEL_PRESETS}
     shown = {model: ",".join(map(str, value)) if isinstance(value, list) else value
              for model, value in values.items() if value is not None}
     if len(set(shown.values())) == 1 and len(shown) == len(MODEL_PRESETS):
@@ -235,12 +201,20 @@ def preset_help(help, flag, training_defaults):
     return f"{help} (default by --model: {', '.join(f'{m}: {v}' for m, v in shown.items())})" if shown else help
 
 
-def get_parser(description, default_out_dir, training_defaults="train", init_from=None, batches_of_samples=True):
-    """The parser of a training script, with the flags they share (each script adds its own --data). training_defaults:
-    the presets' defaults it takes (ArgumentParser); init_from: the script whose newest checkpoint it starts from by
-    default (else --init-from is optional); batches_of_samples: its steps take length-bucketed batches of samples (adds
-    --grad-accum and --bucket-order)."""
-    parser = ArgumentParser(description, training_defaults)
+def script_presets(script):
+    """The PRESETS a training script defines, read from its source (a script runs when imported): for the tools and
+    tests that parse a script's flags as it does."""
+    tree = ast.parse((Path(__file__).parent / script).read_text())
+    node = next(node for node in tree.body if getattr(getattr(node, "targets", [None])[0], "id", None) == "PRESETS")
+    return eval(compile(ast.Expression(node.value), script, "eval"), {"__builtins__": {}, "dict": dict})  # dicts only
+
+
+def get_parser(description, default_out_dir, presets, init_from=None, batches_of_samples=True):
+    """The parser of a training script, with the flags they share (each script adds its own --data). presets: its
+    training defaults per --model preset (ArgumentParser); init_from: the script whose newest checkpoint it starts from
+    by default (else --init-from is optional); batches_of_samples: its steps take length-bucketed batches of samples
+    (adds --grad-accum and --bucket-order)."""
+    parser = ArgumentParser(description, presets)
     add = parser.add_argument
     add("--model", default="small", choices=list(MODEL_PRESETS), help="model preset (and its training defaults)")
     add("--val-fraction", type=number(float, above=0, below=1), default=0.05,
@@ -263,7 +237,7 @@ def get_parser(description, default_out_dir, training_defaults="train", init_fro
     add("--warmup-steps", type=NON_NEGATIVE_INT, default=None, help="linear warmup steps")
     length = parser.add_mutually_exclusive_group()  # the run's length: in steps or in tokens, not both
     length.add_argument("--max-steps", type=COUNT, default=None,
-                        help=preset_help("optimizer steps in the whole run", "--max-steps", training_defaults))
+                        help=preset_help("optimizer steps in the whole run", "--max-steps", presets))
     length.add_argument("--max-tokens", type=COUNT, default=None, help="the run's length in tokens instead of steps: "
                         "steps = this / tokens per step, shown at start (default: none, --max-steps sets the length)")
     add("--weight-decay", type=NON_NEGATIVE, default=0.1, help="AdamW weight decay, on matrices only")

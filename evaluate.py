@@ -200,6 +200,9 @@ def proportion(metric, successes, n):
     return row(metric, successes / n, n, wilson_interval(successes, n))
 
 
+PROSE_WINDOW = {"tiny": 128, "small": 256, "qwen2-0.5b": 2048}  # each preset's longest pretraining bucket
+
+
 def prose_bpb(model, tokenizer, args, window):
     """Bits per byte of the held-out documents, each read in windows of the preset's longest bucket that overlap by
     one token (as the scripts cut samples) after an <|endoftext|>, so that every token of a document is predicted."""
@@ -321,7 +324,7 @@ def evaluate(args):
     if device.type == "cuda":
         model = model.to(torch.bfloat16)  # batched inference in bf16 on a GPU; the scores are summed in fp32
     tokenizer = common.get_chat_tokenizer()
-    window = common.preset_defaults(meta["model"], "train")["buckets"][-1]
+    window = PROSE_WINDOW[meta["model"]]
     rows = []
     for task in tasks:
         if task == "prose_bpb":

@@ -30,11 +30,20 @@ import modeling
 SCRIPT = Path(__file__).stem  # names the run folder and is recorded in every checkpoint
 # The scripts that resume its checkpoints (recorded in each): the same format and data order.
 RESUMED_BY = ["fsdp2_pretrain", "fsdp2_tp_pretrain", "fsdp2_cp_pretrain", "pp_pretrain"]
+# Each --model preset's training defaults: the values of the flags left unset (its shape: common.MODEL_PRESETS).
+PRESETS = {
+    "tiny": dict(buckets=[32, 48, 64, 96, 128], tokens_per_batch=512, lr=3e-3, warmup_steps=5, max_steps=20,
+                 eval_every=10, save_every=10),
+    "small": dict(buckets=[32, 48, 64, 96, 128, 192, 256], tokens_per_batch=1024, lr=3e-3, warmup_steps=10,
+                  max_steps=60, eval_every=20, save_every=20),
+    "qwen2-0.5b": dict(buckets=[256, 512, 1024, 1536, 2048], tokens_per_batch=16384, lr=3e-4, warmup_steps=200,
+                       max_steps=5000, eval_every=250, save_every=500),
+}
 
 # ---------------------------------------------------------------------------------------------- setup
 rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 local_rank = int(os.environ.get("LOCAL_RANK", 0))
-parser = common.get_parser(__doc__, f"runs/{SCRIPT}")
+parser = common.get_parser(__doc__, f"runs/{SCRIPT}", PRESETS)
 parser.add_argument("--data", nargs="+", default=["data/builtin"], help="prepared folders, or FOLDER:WEIGHT ...")
 parser.add_argument("--reshard-after-forward", type=common.boolean, default=True, help="true: a layer's gathered "
                     "parameters are freed after forward, gathered again in backward (ZeRO-3); false: kept (ZeRO-2)")

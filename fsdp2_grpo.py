@@ -37,11 +37,22 @@ import tasks
 SCRIPT = Path(__file__).stem  # names the run folder and is recorded in every checkpoint
 # The scripts that resume its checkpoints (recorded in each): the same format and data order.
 RESUMED_BY = [SCRIPT]
+# Each --model preset's training defaults: the values of the flags left unset (its shape: common.MODEL_PRESETS).
+PRESETS = {
+    "tiny": dict(buckets=[72], tokens_per_batch=512, lr=1e-4, warmup_steps=2, max_steps=20, eval_every=10,
+                 save_every=10, prompts_per_step=1, eval_generate=16),
+    # A bucket holds a prompt and its worked reply (about 75 tokens), a rank's 64 replies a step one micro-batch;
+    # 30 steps: what docs/rl.md's run needs to reach its held-out accuracy.
+    "small": dict(buckets=[96], tokens_per_batch=6144, lr=1e-4, min_lr_ratio=1.0, warmup_steps=5, max_steps=30,
+                  eval_every=15, save_every=15, prompts_per_step=8, eval_generate=200),
+    "qwen2-0.5b": dict(buckets=[4096], tokens_per_batch=16384, lr=1e-6, warmup_steps=10, max_steps=500, eval_every=50,
+                       save_every=100, prompts_per_step=8, eval_generate=200),
+}
 
 # ---------------------------------------------------------------------------------------------- setup
 rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 local_rank = int(os.environ.get("LOCAL_RANK", 0))
-parser = common.get_parser(__doc__, f"runs/{SCRIPT}", "grpo", init_from="fsdp2_sft", batches_of_samples=False)
+parser = common.get_parser(__doc__, f"runs/{SCRIPT}", PRESETS, init_from="fsdp2_sft", batches_of_samples=False)
 parser.add_argument("--data", default="data/builtin-rl", help="a folder of problems (prepare_data.py --sft)")
 parser.add_argument("--reshard-after-forward", type=common.boolean, default=True, help="true: a layer's gathered "
                     "parameters are freed after forward, gathered again in backward (ZeRO-3); false: kept (ZeRO-2)")

@@ -37,11 +37,21 @@ import tasks
 SCRIPT = Path(__file__).stem  # names the run folder and is recorded in every checkpoint
 # The scripts that resume its checkpoints (recorded in each): the same format and data order.
 RESUMED_BY = [SCRIPT]
+# Each --model preset's training defaults: the values of the flags left unset (its shape: common.MODEL_PRESETS).
+PRESETS = {
+    "tiny": dict(buckets=[64, 96, 128], tokens_per_batch=512, lr=1e-3, warmup_steps=5, max_steps=20, eval_every=10,
+                 save_every=10, eval_generate=16),
+    # 11 points on the curves (steps 0, 150, ..., 1500), each answering 50 held-out problems (evaluate.py: 200).
+    "small": dict(buckets=[68, 96], tokens_per_batch=512, lr=3e-3, warmup_steps=30, max_steps=1500, eval_every=150,
+                  save_every=500, eval_generate=50),
+    "qwen2-0.5b": dict(buckets=[512, 1024, 2048, 4096, 8192], tokens_per_batch=16384, lr=5e-5, warmup_steps=50,
+                       max_steps=2000, eval_every=250, save_every=500, eval_generate=200),
+}
 
 # ---------------------------------------------------------------------------------------------- setup
 rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 local_rank = int(os.environ.get("LOCAL_RANK", 0))
-parser = common.get_parser(__doc__, f"runs/{SCRIPT}", "sft", init_from="fsdp2_pretrain")
+parser = common.get_parser(__doc__, f"runs/{SCRIPT}", PRESETS, init_from="fsdp2_pretrain")
 parser.add_argument("--data", default="data/builtin-sft", help="a folder of conversations (prepare_data.py --sft)")
 parser.add_argument("--reshard-after-forward", type=common.boolean, default=True, help="true: a layer's gathered "
                     "parameters are freed after forward, gathered again in backward (ZeRO-3); false: kept (ZeRO-2)")

@@ -55,6 +55,7 @@ SOURCES = {"mid": "pretrain", "sft": "mid", "grpo": "sft", "control": "sft", "re
 # pretraining text, so as to keep its prose, and saves 4 times for the abilities figure (docs/pipeline.md, measured).
 MID_SCHEDULE = {"tiny": (20, 2), "small": (30, 3), "qwen2-0.5b": (1000, 50)}
 MID_TEXT_SHARE, SFT_REPLAY_SHARE = 0.7, 0.1
+SFT_SAVE_EVERY = {"tiny": 5, "small": 375, "qwen2-0.5b": 500}  # a quarter of fsdp2_sft.py's steps per preset
 # GRPO trains on the first task's lengths; the second's are longer; the third is the SFT's arithmetic. The first two
 # are also sampled 8 times per problem, after the SFT and after GRPO: pass@k and the share of replies worked.
 COMPARED, SAMPLED = ["solve", "solve_long", "arith_gen"], ["solve", "solve_long"]
@@ -137,7 +138,7 @@ def stage_flags(stage, args):
         flags += ["--reward", "final-number"]
     if stage in ("sft", "reference"):  # (the control continues the SFT with its flags: control_flags)
         flags += ["--replay", f"{args.pretrain_data}:{SFT_REPLAY_SHARE}", "--save-every",
-                  str(common.preset_defaults(args.model, "sft")["max_steps"] // 4)]
+                  str(SFT_SAVE_EVERY[args.model])]
     return flags
 
 

@@ -34,8 +34,8 @@ parser.add_argument("--out-dir", default="/tmp/baselines")
 parser.add_argument("--compile", action="store_true", help="bare loop: compile the decoder layers as our scripts do")
 cli = parser.parse_args()
 rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-training_defaults = "sft" if cli.mode == "trl" else "train"
-args = common.finalize_args(common.get_parser("", cli.out_dir, training_defaults).parse_args(
+presets = common.script_presets("fsdp2_sft.py" if cli.mode == "trl" else "ddp_pretrain.py")  # their training defaults
+args = common.finalize_args(common.get_parser("", cli.out_dir, presets).parse_args(
     ["--model", cli.model, "--out-dir", cli.out_dir]
     + (["--buckets", cli.buckets] if cli.buckets else [])
     + (["--tokens-per-batch", str(cli.tokens_per_batch)] if cli.tokens_per_batch else [])))

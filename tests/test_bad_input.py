@@ -65,12 +65,13 @@ BAD_INPUTS = {  # case: (script, flags, ranks, words the error line must hold: t
     "more ranks than samples":
         ("ddp_pretrain.py", ["--model", "tiny", "--data", "{tmp}/two_docs"], 2, ["--data", "fewer than the 2 ranks"]),
     "mixture weight that is not a number":
-        ("ddp_pretrain.py", ["--model", "tiny", "--data", "builtin:lots"], 1, ["--data builtin:lots", "not a number"]),
+        ("ddp_pretrain.py", ["--model", "tiny", "--data", "data/builtin:lots"], 1,
+         ["--data data/builtin:lots", "not a number"]),
     "mixture weight of zero":
-        ("ddp_pretrain.py", ["--model", "tiny", "--data", "builtin:0", "builtin-chat:1"], 1,
-         ["--data builtin:0", "positive"]),
+        ("ddp_pretrain.py", ["--model", "tiny", "--data", "data/builtin:0", "data/builtin-sft:1"], 1,
+         ["--data data/builtin:0", "positive"]),
     "mixture weights for some sources only":
-        ("ddp_pretrain.py", ["--model", "tiny", "--data", "builtin:0.7", "builtin-chat"], 1,
+        ("ddp_pretrain.py", ["--model", "tiny", "--data", "data/builtin:0.7", "data/builtin-sft"], 1,
          ["--data", "every source a weight"]),
     "mixture source that does not exist":
         ("ddp_pretrain.py", ["--model", "tiny", "--data", f"{TINY_DATA}:0.5", "{tmp}/nope:0.5"], 1,

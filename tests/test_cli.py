@@ -15,6 +15,7 @@ from helpers import REPO, check, run_script
 STAGES = {"ddp_pretrain.py": "train", "fsdp1_pretrain.py": "train", "fsdp2_pretrain.py": "train",
           "fsdp2_tp_pretrain.py": "train", "fsdp2_cp_pretrain.py": "train", "pp_pretrain.py": "train",
           "fsdp2_sft.py": "sft", "fsdp2_grpo.py": "grpo"}
+PRESETS = {STAGES[script]: common.script_presets(script) for script in STAGES}  # each kind of script's
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +78,8 @@ def test_grpo_accepts_no_flag_it_does_not_honour(capsys, help_texts):
     assert "--grad-accum" not in text and "--bucket-order" not in text
     for flag in (["--grad-accum", "2"], ["--bucket-order", "ascending"]):
         with pytest.raises(SystemExit) as exit:  # the parser fsdp2_grpo.py builds its own flags on
-            common.get_parser("", "runs/x", "grpo", init_from="fsdp2_sft", batches_of_samples=False).parse_args(flag)
+            common.get_parser("", "runs/x", PRESETS["grpo"], init_from="fsdp2_sft", batches_of_samples=False
+                              ).parse_args(flag)
         assert exit.value.code == 2
         assert capsys.readouterr().err == f"error: unrecognized arguments: {' '.join(flag)}\n"
 
@@ -95,7 +97,7 @@ def test_grpo_accepts_no_flag_it_does_not_honour(capsys, help_texts):
 ])
 def test_a_flag_out_of_its_range_is_one_line_naming_it(stage, flags, words, capsys):
     with pytest.raises(SystemExit) as exit:
-        common.get_parser("", "runs/x", stage).parse_args(flags)
+        common.get_parser("", "runs/x", PRESETS[stage]).parse_args(flags)
     assert exit.value.code == 2
     error = capsys.readouterr().err
     assert error.startswith(f"error: {words}") and error.count("\n") == 1, error
@@ -109,7 +111,8 @@ def test_max_tokens_sets_the_steps_from_the_tokens_per_step(ddp_one_process):
     assert json.loads((ddp_one_process / "config.json").read_text())["tokens_per_step"] == 512 * 2
 
     def finalize(stage, *flags, tokens_per_step=2048):
-        return common.finalize_args(common.get_parser("", "runs/x", stage).parse_args(["--model", "tiny", *flags]),
+        return common.finalize_args(common.get_parser("", "runs/x", PRESETS[stage]).parse_args(["--model", "tiny",
+                                                                                                 *flags]),
                                     tokens_per_step)
 
     assert finalize("train", "--max-tokens", "10000").max_steps == 5

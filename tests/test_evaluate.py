@@ -112,7 +112,7 @@ def test_arith_gen_equals_the_sft_scripts_val_accuracy(tiny_run, tmp_path):
     own --val-fraction, which the checkpoint records), and the same accuracy on its checkpoint; the command writes
     every task's rows."""
     out, _ = tiny_run("fsdp2_sft.py")
-    parser = common.get_parser("", str(tmp_path), "sft")
+    parser = common.get_parser("", str(tmp_path), common.script_presets("fsdp2_sft.py"))
     parser.add_argument("--data")  # one folder, as the SFT's
     args = common.finalize_args(parser.parse_args([*map(str, TINY_RUN), *map(str, SFT_DATA)]))
     tokenizer = common.get_chat_tokenizer()

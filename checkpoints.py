@@ -165,11 +165,11 @@ def check_resume(resume_dir, args, data_order):
               f"{meta['step'] + 1}", flush=True)
 
 
-def find_init_checkpoint(args, source=None, chat_models_only=False):
+def find_init_checkpoint(args, source=None):
     """--init-from: a checkpoint folder, a run folder (its newest checkpoint) or an export_hf.py folder. With a source
     (a script that reads DCP's model/ folder shard by shard), by default the newest under runs/<source>, and only a
-    checkpoint that has that folder, or an export; with chat_models_only, only a model that learned the chat format.
-    With none (the whole model is read, load_checkpoint_model), any script's."""
+    checkpoint that has that folder, or an export. With none (the whole model is read, load_checkpoint_model), any
+    script's."""
     path = Path(args.init_from or f"runs/{source}")
     checkpoint_dir = newest_checkpoint(path)
     if checkpoint_dir is None and source:
@@ -180,9 +180,6 @@ def find_init_checkpoint(args, source=None, chat_models_only=False):
         raise common.UsageError(f"--init-from {path} holds no complete checkpoint: pass a checkpoint folder, a run "
                                 f"folder or an export_hf.py folder")
     meta = read_meta(checkpoint_dir, "--init-from")
-    if chat_models_only and not meta.get("chat_format"):
-        raise common.UsageError(f"--init-from {checkpoint_dir} was written by {meta['script']}.py (its model never "
-                                f"learned the chat format and its markers): start from a {source}.py checkpoint")
     if source and not (meta.get("hf") or (checkpoint_dir / "model").is_dir()):
         raise common.UsageError(f"--init-from {checkpoint_dir} was written by {meta['script']}.py, whose checkpoints "
                                 f"hold no model/ folder: start from a checkpoint of a script built on FSDP2, or an "

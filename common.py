@@ -209,11 +209,10 @@ def script_presets(script):
     return eval(compile(ast.Expression(node.value), script, "eval"), {"__builtins__": {}, "dict": dict})  # dicts only
 
 
-def get_parser(description, default_out_dir, presets, init_from=None, batches_of_samples=True):
+def get_parser(description, default_out_dir, presets, init_from=None):
     """The parser of a training script, with the flags they share (each script adds its own --data). presets: its
     training defaults per --model preset (ArgumentParser); init_from: the script whose newest checkpoint it starts from
-    by default (else --init-from is optional); batches_of_samples: its steps take length-bucketed batches of samples
-    (adds --grad-accum and --bucket-order)."""
+    by default (else --init-from is optional)."""
     parser = ArgumentParser(description, presets)
     add = parser.add_argument
     add("--model", default="small", choices=list(MODEL_PRESETS), help="model preset (and its training defaults)")
@@ -222,8 +221,6 @@ def get_parser(description, default_out_dir, presets, init_from=None, batches_of
     add("--buckets", type=bucket_lengths, default=None, help="comma-separated bucket max lengths in tokens")
     add("--tokens-per-batch", type=COUNT, default=None,
         help="tokens per micro-batch per rank; a bucket's batch size is this // its length")
-    if batches_of_samples:
-        add("--grad-accum", type=COUNT, default=1, help="micro-batches per optimizer step on each rank")
     add("--lr", type=NON_NEGATIVE, default=None, help="peak learning rate")
     add("--min-lr-ratio", type=number(float, at_least=0, at_most=1), default=None,
         help="the schedule decays to lr * this")
@@ -259,9 +256,6 @@ def get_parser(description, default_out_dir, presets, init_from=None, batches_of
         help="full: keep only each decoder layer's input and recompute the layer in backward (least memory); "
         "selective: also keep the outputs of its matmuls and attention, recompute only the element-wise ops "
         "(more memory; no matmul runs twice, about a quarter less compute)")
-    if batches_of_samples:
-        add("--bucket-order", choices=["shuffled", "ascending"], default="shuffled",
-            help="order of the batches in an epoch: shuffled, or short buckets first (the original recipe)")
     if init_from:
         add("--init-from", default=None, help=f"the checkpoint to start from: a checkpoint folder, a run folder (its "
             f"newest) or an export_hf.py folder (default: the newest under runs/{init_from})")
@@ -270,6 +264,13 @@ def get_parser(description, default_out_dir, presets, init_from=None, batches_of
             "checkpoint folder, a run folder: its newest, or an export_hf.py folder) with a fresh optimizer and "
             "schedule at step 0, as midtraining does (default: none, the model's own init)")
     return parser
+
+
+def add_batch_arguments(parser):
+    """The flags of a script whose steps take length-bucketed batches of samples."""
+    parser.add_argument("--grad-accum", type=COUNT, default=1, help="micro-batches per optimizer step on each rank")
+    parser.add_argument("--bucket-order", choices=["shuffled", "ascending"], default="shuffled",
+                        help="order of the batches in an epoch: shuffled, or short buckets first (the original recipe)")
 
 
 def finalize_args(args, tokens_per_step=None):

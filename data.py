@@ -213,7 +213,7 @@ def load_sft_data(args, replay=None):
     return mixture([train, replayed], np.array([1 - share, share])), val
 
 
-def answer_prompts(tokenizer, split, limit, reward="exact-text"):
+def answer_prompts(tokenizer, split, limit, reward):
     """Up to `limit` (prompt, reference answer) pairs of a split: the prompt is a conversation up to and with
     its last <|assistant|> marker; the answer is the reference reply's, as tasks.reply_answer reads it with
     `reward` (exact-text: the text between the solution markers). Conversations whose reply has none are left out.

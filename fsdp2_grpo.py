@@ -52,7 +52,7 @@ PRESETS = {
 # ---------------------------------------------------------------------------------------------- setup
 rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 local_rank = int(os.environ.get("LOCAL_RANK", 0))
-parser = common.get_parser(__doc__, f"runs/{SCRIPT}", PRESETS, init_from="fsdp2_sft", batches_of_samples=False)
+parser = common.get_parser(__doc__, f"runs/{SCRIPT}", PRESETS, init_from="fsdp2_sft")
 parser.add_argument("--data", default="data/builtin-rl", help="a folder of problems (prepare_data.py --sft)")
 parser.add_argument("--reshard-after-forward", type=common.boolean, default=True, help="true: a layer's gathered "
                     "parameters are freed after forward, gathered again in backward (ZeRO-3); false: kept (ZeRO-2)")
@@ -72,7 +72,11 @@ device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torc
 dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
 checkpoint_root = Path(args.out_dir) / "checkpoints"
 resume_dir = checkpoints.find_resume_checkpoint(args, checkpoint_root, SCRIPT)
-init_dir = None if resume_dir else checkpoints.find_init_checkpoint(args, "fsdp2_sft", chat_models_only=True)
+init_dir = None if resume_dir else checkpoints.find_init_checkpoint(args, "fsdp2_sft")  # a resume has its weights
+init_meta = checkpoints.read_meta(init_dir, "--init-from") if init_dir else None
+if init_meta and not init_meta.get("chat_format"):  # the policy answers in the chat format: it must know it
+    raise common.UsageError(f"--init-from {init_dir} was written by {init_meta['script']}.py (its model never learned "
+                            f"the chat format and its markers): start from a fsdp2_sft.py checkpoint")
 
 # ---------------------------------------------------------------------------------------------- data
 tokenizer = common.get_chat_tokenizer()  # GPT-2 BPE plus the role and reasoning markers

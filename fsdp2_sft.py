@@ -52,6 +52,7 @@ PRESETS = {
 rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 local_rank = int(os.environ.get("LOCAL_RANK", 0))
 parser = common.get_parser(__doc__, f"runs/{SCRIPT}", PRESETS, init_from="fsdp2_pretrain")
+common.add_batch_arguments(parser)  # --grad-accum, --bucket-order
 parser.add_argument("--data", default="data/builtin-sft", help="a folder of conversations (prepare_data.py --sft)")
 parser.add_argument("--reshard-after-forward", type=common.boolean, default=True, help="true: a layer's gathered "
                     "parameters are freed after forward, gathered again in backward (ZeRO-3); false: kept (ZeRO-2)")
@@ -178,7 +179,7 @@ val_schedules = {name: make_schedule(split, 0, 1, "ascending") for name, split i
 # Answer accuracy: greedy replies to held-out prompts (the first validation split's: the conversations'), compared
 # with the reference between the solution markers.
 val_prompts, val_answers, max_reply_tokens = data.answer_prompts(tokenizer, next(iter(val.values())),
-                                                                 args.eval_generate)
+                                                                 args.eval_generate, "exact-text")
 
 
 @torch.no_grad()

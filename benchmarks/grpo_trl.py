@@ -103,8 +103,7 @@ def grpo_flags(bucket_len):
 def training_prompts(bucket_len):
     """The flags as fsdp2_grpo.py parses them, and the prompts (token ids) and answers of its training split: read
     here with its very flags, so they are the ones it trains on."""
-    parser = common.get_parser("", str(ours_dir), common.script_presets("fsdp2_grpo.py"), init_from="fsdp2_sft",
-                               batches_of_samples=False)
+    parser = common.get_parser("", str(ours_dir), common.script_presets("fsdp2_grpo.py"), init_from="fsdp2_sft")
     for flag, kind in [("--eval-generate", int), ("--group-size", int), ("--prompts-per-step", int), ("--data", str)]:
         parser.add_argument(flag, type=kind)  # its own flags
     parser.add_argument("--reward", default="final-number")

@@ -18,6 +18,14 @@ STAGES = {"ddp_pretrain.py": "train", "fsdp1_pretrain.py": "train", "fsdp2_pretr
 PRESETS = {STAGES[script]: common.script_presets(script) for script in STAGES}  # each kind of script's
 
 
+def parser_of(stage):
+    """The parser a script of this stage builds its own flags on."""
+    parser = common.get_parser("", "runs/x", PRESETS[stage])
+    if stage != "grpo":  # its steps take prompts, not batches of samples
+        common.add_batch_arguments(parser)
+    return parser
+
+
 @pytest.fixture(scope="module")
 def help_texts():
     """{script: what `python SCRIPT --help` prints}: the script's own code, run in this process up to argparse's exit
@@ -78,8 +86,7 @@ def test_grpo_accepts_no_flag_it_does_not_honour(capsys, help_texts):
     assert "--grad-accum" not in text and "--bucket-order" not in text
     for flag in (["--grad-accum", "2"], ["--bucket-order", "ascending"]):
         with pytest.raises(SystemExit) as exit:  # the parser fsdp2_grpo.py builds its own flags on
-            common.get_parser("", "runs/x", PRESETS["grpo"], init_from="fsdp2_sft", batches_of_samples=False
-                              ).parse_args(flag)
+            common.get_parser("", "runs/x", PRESETS["grpo"], init_from="fsdp2_sft").parse_args(flag)
         assert exit.value.code == 2
         assert capsys.readouterr().err == f"error: unrecognized arguments: {' '.join(flag)}\n"
 
@@ -97,7 +104,7 @@ def test_grpo_accepts_no_flag_it_does_not_honour(capsys, help_texts):
 ])
 def test_a_flag_out_of_its_range_is_one_line_naming_it(stage, flags, words, capsys):
     with pytest.raises(SystemExit) as exit:
-        common.get_parser("", "runs/x", PRESETS[stage]).parse_args(flags)
+        parser_of(stage).parse_args(flags)
     assert exit.value.code == 2
     error = capsys.readouterr().err
     assert error.startswith(f"error: {words}") and error.count("\n") == 1, error
@@ -111,8 +118,7 @@ def test_max_tokens_sets_the_steps_from_the_tokens_per_step(ddp_one_process):
     assert json.loads((ddp_one_process / "config.json").read_text())["tokens_per_step"] == 512 * 2
 
     def finalize(stage, *flags, tokens_per_step=2048):
-        return common.finalize_args(common.get_parser("", "runs/x", PRESETS[stage]).parse_args(["--model", "tiny",
-                                                                                                 *flags]),
+        return common.finalize_args(parser_of(stage).parse_args(["--model", "tiny", *flags]),
                                     tokens_per_step)
 
     assert finalize("train", "--max-tokens", "10000").max_steps == 5

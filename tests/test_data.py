@@ -46,6 +46,7 @@ def list_schedule(lengths, buckets, tokens_per_batch, world_size, grad_accum, se
 
 def parse(flags):
     parser = common.get_parser("", "runs/x", common.script_presets("ddp_pretrain.py"))
+    common.add_batch_arguments(parser)
     parser.add_argument("--data", nargs="+", default=[str(BUILTIN_TEXT)])  # the pretraining scripts', the tests' copy
     return common.finalize_args(parser.parse_args([str(flag) for flag in flags]))
 

@@ -116,7 +116,8 @@ def test_arith_gen_equals_the_sft_scripts_val_accuracy(tiny_run, tmp_path):
     parser.add_argument("--data")  # one folder, as the SFT's
     args = common.finalize_args(parser.parse_args([*map(str, TINY_RUN), *map(str, SFT_DATA)]))
     tokenizer = common.get_chat_tokenizer()
-    prompts, answers, _ = data.answer_prompts(tokenizer, data.load_sft_data(args)[1]["builtin-sft"], 8)
+    prompts, answers, _ = data.answer_prompts(tokenizer, data.load_sft_data(args)[1]["builtin-sft"], 8,
+                                          "exact-text")
     problems = evaluate.task_problems("arith_gen", argparse.Namespace(limit=8, val_fraction=args.val_fraction))
     assert [evaluate.chat_prompt(tokenizer, question) for question, _, _ in problems] == prompts
     assert [answer for _, _, answer in problems] == answers

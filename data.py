@@ -182,11 +182,9 @@ def mixture(splits, shares):
                  shares, any(split.chat_format for split in splits), hashlib.sha256(named.encode()).hexdigest())
 
 
-def load_sft_data(args, replay=None):
-    """Train and validation Splits of encoded conversations (the validation ones by name, the conversations' first),
-    each cut to the largest bucket (its first tokens still teach); conversations with no target within that length
-    are left out. replay: FOLDER:SHARE, pretraining text mixed in as that share of the training tokens, every token a
-    target, with its own validation split (named replay-<folder>)."""
+def load_sft_data(args):
+    """Train and validation Splits of encoded conversations (the validation ones by name), each cut to the largest
+    bucket (its first tokens still teach); conversations with no target within that length are left out."""
     corpus = open_prepared(args.data, conversations=True)
     starts, lengths = np.asarray(corpus.offsets[:-1]), np.diff(corpus.offsets)
     cut = np.minimum(lengths, args.buckets[-1])
@@ -201,16 +199,7 @@ def load_sft_data(args, replay=None):
         return one_source_split(corpus, corpus.mask, starts[keep], cut[keep], target_counts[keep])
 
     has_targets = target_counts > 0
-    train, val = split(~is_val & has_targets), {source_names([args.data])[0]: split(is_val & has_targets)}
-    if replay is None:
-        return train, val
-    source, share = source_and_weight(replay, "--replay")
-    text = open_prepared(source, flag="--replay")
-    if text.chat_format or share is None or share >= 1:
-        raise common.UsageError(f"--replay {replay}: pass a folder of pretraining text and its share of the tokens, "
-                                f"below 1, e.g. data/builtin:0.2")
-    replayed, val[f"replay-{source_names([source])[0]}"] = text_splits(text, args)
-    return mixture([train, replayed], np.array([1 - share, share])), val
+    return split(~is_val & has_targets), {source_names([args.data])[0]: split(is_val & has_targets)}
 
 
 def answer_prompts(tokenizer, split, limit, reward):

@@ -87,7 +87,7 @@ if args.compile:
 model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 # ---------------------------------------------------------------------------------------------- optimizer
-# Matrices decay; biases and norm gains do not: decided by name, one rule in every script (FSDP1 flattens shapes).
+# Matrices decay; biases and norm gains do not: decided by name, the same rule in every script.
 decay = [p for name, p in model.named_parameters() if not (name.endswith("bias") or "norm" in name)]
 no_decay = [p for name, p in model.named_parameters() if name.endswith("bias") or "norm" in name]
 groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

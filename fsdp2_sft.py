@@ -12,6 +12,7 @@ import shutil
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -72,8 +73,16 @@ init_dir = None if resume_dir else checkpoints.find_init_checkpoint(args, "fsdp2
 
 # ---------------------------------------------------------------------------------------------- data
 tokenizer = common.get_chat_tokenizer()  # GPT-2 BPE plus the role and reasoning markers
-# Splits over the memory-mapped tokens; the targets: assistant tokens only (and every token of replayed text).
-train, val = data.load_sft_data(args, replay=args.replay)
+# Splits over the memory-mapped tokens; the targets: assistant tokens only.
+train, val = data.load_sft_data(args)
+if args.replay:  # pretraining text mixed in as that share of the tokens, every token a target, its own validation split
+    source, share = data.source_and_weight(args.replay, "--replay")
+    text = data.open_prepared(source, flag="--replay")
+    if text.chat_format or share is None or share >= 1:
+        raise common.UsageError(f"--replay {args.replay}: pass a folder of pretraining text and its share of the "
+                                f"tokens, below 1, e.g. data/builtin:0.2")
+    replayed, val[f"replay-{data.source_names([source])[0]}"] = data.text_splits(text, args)
+    train = data.mixture([train, replayed], np.array([1 - share, share]))
 # What the sample order depends on (checked: enough samples); a step takes a batch per micro-batch on each rank.
 samples_per_rank = [data.bucket_batch_size(args.tokens_per_batch, length) * args.grad_accum for length in args.buckets]
 data_order = data.data_order(args, train, val, world_size, samples_per_rank, ["tokens_per_batch", "grad_accum"])
@@ -123,7 +132,7 @@ if init_dir is not None and not checkpoints.read_meta(init_dir, "--init-from").g
         embedding.copy_(distribute_tensor(rows, embedding.device_mesh, embedding.placements))
 
 # ---------------------------------------------------------------------------------------------- optimizer
-# Matrices decay; biases and norm gains do not: decided by name, one rule in every script (FSDP1 flattens shapes).
+# Matrices decay; biases and norm gains do not: decided by name, the same rule in every script.
 decay = [p for name, p in model.named_parameters() if not (name.endswith("bias") or "norm" in name)]
 no_decay = [p for name, p in model.named_parameters() if name.endswith("bias") or "norm" in name]
 groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

@@ -16,11 +16,13 @@ import tasks
 PREPARED_FORMAT, PREPARED_VERSION = "llm-reference-tokens", 1
 
 
-def tokenizer_identity(tokenizer):
-    """What a prepared folder's ids depend on: the encoding's name, its BPE files and its special tokens."""
-    return {"name": tokenizer.name, "vocab_bpe_sha256": common.GPT2_VOCAB_BPE_SHA256,
+def tokenizer_identity(chat_format):
+    """What a prepared folder's ids depend on: the encoding (common.get_tokenizer's, or get_chat_tokenizer's with the
+    chat markers), its BPE files and its special tokens."""
+    special_tokens = {"<|endoftext|>": common.EOT_ID, **(common.SPECIAL_TOKENS if chat_format else {})}
+    return {"name": "gpt2-chat" if chat_format else "gpt2", "vocab_bpe_sha256": common.GPT2_VOCAB_BPE_SHA256,
             "encoder_json_sha256": common.GPT2_ENCODER_JSON_SHA256,
-            "special_tokens": dict(sorted(tokenizer._special_tokens.items(), key=lambda item: item[1]))}
+            "special_tokens": dict(sorted(special_tokens.items(), key=lambda item: item[1]))}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -90,8 +92,7 @@ def open_prepared(folder, conversations=False, flag="--data"):
     if conversations and not chat_format:
         raise common.UsageError(f"{flag} {folder} holds text, this script trains on conversations: prepare_data.py "
                                 f"--sft writes them")
-    tokenizer = common.get_chat_tokenizer() if chat_format else common.get_tokenizer()
-    if meta["tokenizer"] != tokenizer_identity(tokenizer):
+    if meta["tokenizer"] != tokenizer_identity(chat_format):
         raise common.UsageError(f"{flag} {folder} was tokenized with another tokenizer "
                                 f"({meta['tokenizer'].get('name')}, other BPE files or markers): prepare it again with "
                                 f"this prepare_data.py")

@@ -360,9 +360,9 @@ def prepare(args, kind, out_dir, workers, progress=True):
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir()
     if kind == "pretrain":
-        batches, encode, tokenizer = pretraining_texts(args), encode_documents, common.get_tokenizer()
+        batches, encode = pretraining_texts(args), encode_documents
     else:
-        batches, encode, tokenizer = sft_conversations(args, kind), encode_conversations, common.get_chat_tokenizer()
+        batches, encode = sft_conversations(args, kind), encode_conversations
         kind = "sft"
     names = ["tokens.bin"] + (["loss_mask.bin"] if kind == "sft" else [])
     digests, lengths = {name: hashlib.sha256() for name in names}, []
@@ -388,7 +388,7 @@ def prepare(args, kind, out_dir, workers, progress=True):
         files = {name: {"bytes": (partial / name).stat().st_size, "sha256": digest.hexdigest()}
                  for name, digest in digests.items()}
         meta = {"format": data.PREPARED_FORMAT, "version": data.PREPARED_VERSION, "kind": kind,
-                "tokenizer": data.tokenizer_identity(tokenizer),
+                "tokenizer": data.tokenizer_identity(kind == "sft"),
                 "source": source, "documents": len(offsets) - 1, "tokens": int(offsets[-1]),
                 "files": files,  # names the data in checkpoints, through this hash of the files' hashes:
                 "content_sha256": hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()}

@@ -57,3 +57,15 @@ def test_tampered_bpe_file_is_rejected(tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.metadata, "distribution", lambda name: InstalledHere())
     with pytest.raises(ValueError, match="[Hh]ash"):
         common.get_tokenizer.__wrapped__()  # built afresh: get_tokenizer() returns the encoding it built first
+
+
+@pytest.mark.parametrize("chat_format", [False, True])
+def test_a_prepared_folders_tokenizer_identity_is_the_encodings_own(chat_format):
+    """data.tokenizer_identity (written by prepare_data.py, checked by every script) names the encoding the ids come
+    from: its name and special tokens, as the tiktoken object itself holds them."""
+    import data
+
+    tokenizer = common.get_chat_tokenizer() if chat_format else common.get_tokenizer()
+    identity = data.tokenizer_identity(chat_format)
+    assert identity["name"] == tokenizer.name and identity["special_tokens"] == tokenizer._special_tokens
+    assert identity["vocab_bpe_sha256"] == common.GPT2_VOCAB_BPE_SHA256

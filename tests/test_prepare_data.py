@@ -155,3 +155,22 @@ def test_a_folder_written_by_save_to_disk_is_read_as_the_dataset_it_holds(layout
     from_jsonl = data.load_pretraining_data(args_for(tmp_path / "prepared-docs.jsonl"))
     for saved, jsonl in zip([from_saved[0], *from_saved[1].values()], [from_jsonl[0], *from_jsonl[1].values()]):
         assert np.array_equal(saved.lengths, jsonl.lengths) and saved.content_sha256 == jsonl.content_sha256
+
+
+def test_with_no_flags_it_writes_the_three_built_in_sets_and_a_second_run_keeps_them(tmp_path):
+    """README's first command: `python prepare_data.py` writes data/builtin, data/builtin-sft and data/builtin-rl
+    where it runs, each the default --data of its kind of script; run again, it keeps every file as it is."""
+    def prepare():
+        result = subprocess.run([PYTHON, str(REPO / "prepare_data.py")], cwd=tmp_path, capture_output=True, text=True,
+                                timeout=300)
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    first = prepare()
+    folders = {name: tmp_path / "data" / name for name in ("builtin", "builtin-sft", "builtin-rl")}
+    for name, folder in folders.items():
+        assert f"into data/{name}" in first
+        assert data.open_prepared(folder, conversations=name != "builtin").chat_format == (name != "builtin")
+    written = {path: path.stat().st_mtime_ns for path in (tmp_path / "data").rglob("*")}
+    assert prepare().count("already: kept") == 3
+    assert {path: path.stat().st_mtime_ns for path in (tmp_path / "data").rglob("*")} == written

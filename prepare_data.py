@@ -90,8 +90,9 @@ def builtin_documents():
     return tuple(documents)
 
 
-def looks_local(data):
-    return os.path.exists(os.path.expanduser(data)) or data.startswith((".", "/", "~")) or data.endswith(DATA_SUFFIXES)
+def looks_local(source):
+    return (os.path.exists(os.path.expanduser(source)) or source.startswith((".", "/", "~"))
+            or source.endswith(DATA_SUFFIXES))
 
 
 def is_saved_dataset(path):
@@ -99,25 +100,26 @@ def is_saved_dataset(path):
     return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
 
 
-def data_files(data):
+def data_files(source):
     """The local files --data names, checked: they exist, are of one kind, and are not all empty."""
-    path = Path(data).expanduser()
+    path = Path(source).expanduser()
     if not path.exists():
-        raise common.UsageError(f"--data {data} does not exist: pass an existing file or folder, a hub dataset name, "
-                                f"or 'builtin'")
+        raise common.UsageError(f"--data {source} does not exist: pass an existing file or folder, a hub dataset "
+                                f"name, or 'builtin'")
     if path.is_dir() and is_saved_dataset(path):  # its own files: arrow shards and the json that describes them
         return sorted(p for p in path.rglob("*") if p.is_file())
     files = [path] if path.is_file() else [p for p in sorted(path.rglob("*")) if p.suffix in DATA_SUFFIXES]
     files = [f for f in files if f.is_file()]
     if not files:
-        raise common.UsageError(f"--data {data} holds no {'/'.join(DATA_SUFFIXES)} files, nor a dataset written by "
+        raise common.UsageError(f"--data {source} holds no {'/'.join(DATA_SUFFIXES)} files, nor a dataset written by "
                                 f"save_to_disk")
     if all(f.stat().st_size == 0 for f in files):
-        raise common.UsageError(f"--data {data} {'is an empty file' if path.is_file() else 'holds only empty files'}: "
-                                f"point it at data")
+        what = "is an empty file" if path.is_file() else "holds only empty files"
+        raise common.UsageError(f"--data {source} {what}: point it at data")
     suffixes = {f.suffix for f in files}
     if len(suffixes) > 1:
-        raise common.UsageError(f"--data {data} mixes file types ({', '.join(sorted(suffixes))}): point it at one kind")
+        raise common.UsageError(f"--data {source} mixes file types ({', '.join(sorted(suffixes))}): point it at one "
+                                f"kind")
     return files
 
 
@@ -219,7 +221,7 @@ def pretraining_texts(args):
         yield [text for text in texts if isinstance(text, str) and text.strip()]
 
 
-def conversation_messages(row, data):
+def conversation_messages(row, source):
     """[(role, text), ...] from a row in the OpenThoughts schema (system + conversations of {from, value}), the
     messages schema ({role, content}), or an answer-only problem: {prompt, answer} or GSM8K's {question, answer}
     (its answer after "####"), whose reply is the bare answer between the solution markers."""
@@ -232,20 +234,20 @@ def conversation_messages(row, data):
     elif "prompt" in row or "question" in row:
         answer = row.get("answer")
         if not isinstance(answer, (str, int, float)) or not str(answer).rsplit("####", 1)[-1].strip():
-            raise common.UsageError(f"--data {data}: a row has a {'prompt' if 'prompt' in row else 'question'} but "
+            raise common.UsageError(f"--data {source}: a row has a {'prompt' if 'prompt' in row else 'question'} but "
                                     f"no 'answer' to check replies against")
         answer = str(answer).rsplit("####", 1)[-1].strip()  # GSM8K: the worked solution, then "#### 72"
         messages += [("user", row.get("prompt", row.get("question"))),
                      ("assistant", f"<|begin_of_solution|>\n\n{answer}\n\n<|end_of_solution|>")]
     else:
-        raise common.UsageError(f"--data {data}: a row has none of 'conversations' (OpenThoughts), 'messages', "
+        raise common.UsageError(f"--data {source}: a row has none of 'conversations' (OpenThoughts), 'messages', "
                                 f"'prompt' or 'question' (columns: {', '.join(row)})")
     for role, text in messages:
         if role not in common.ROLE_MARKERS or not isinstance(text, str):
-            raise common.UsageError(f"--data {data}: a turn has role {role!r} (expected system, user or assistant) "
+            raise common.UsageError(f"--data {source}: a turn has role {role!r} (expected system, user or assistant) "
                                     f"or no text")
     if not any(role == "assistant" for role, _ in messages):
-        raise common.UsageError(f"--data {data}: a conversation has no assistant turn, so nothing to learn from")
+        raise common.UsageError(f"--data {source}: a conversation has no assistant turn, so nothing to learn from")
     return messages
 
 

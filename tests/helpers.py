@@ -36,11 +36,21 @@ EXTRA_FLAGS = {"fsdp2_tp_pretrain.py": ["--grad-accum", 2], "pp_pretrain.py": ["
                "fsdp2_cp_pretrain.py": ["--grad-accum", 2]}
 
 
+def prepare_folder(source, kind, folder, workers=1):
+    """prepare_data.py's own code, in this process: SOURCE (a path or 'builtin') tokenized into FOLDER as KIND
+    ("pretrain", "sft" or "rl"); a folder that holds it already is kept. Returns its meta."""
+    import argparse
+
+    import prepare_data
+
+    args = argparse.Namespace(data=str(source), data_config=None, text_field="text", max_docs=0)
+    return prepare_data.prepare(args, kind, folder, workers=workers, progress=False)
+
+
 def prepare_test_data():
     """TINY_CORPUS: the first 156 paragraphs of CPython's help topics (about 8,000 tokens), one document each, rewritten
     only when its text changes; it and the built-in sets prepared by prepare_data.py's own code, each kept while it
     holds its source's tokens (the source's size and modification time, for a file)."""
-    import argparse
     import pydoc_data.topics
 
     import common
@@ -54,12 +64,11 @@ def prepare_test_data():
         TINY_CORPUS.write_text(text)
     for source, kind, folder in [(TINY_CORPUS, "pretrain", TINY_DATA), ("builtin", "pretrain", BUILTIN_TEXT),
                                  ("builtin", "sft", BUILTIN_SFT), ("builtin", "rl", BUILTIN_RL)]:
-        args = argparse.Namespace(data=str(source), data_config=None, text_field="text", max_docs=0)
         try:
-            prepare_data.prepare(args, kind, folder, workers=prepare_data.available_cores(), progress=False)
+            prepare_folder(source, kind, folder, workers=prepare_data.available_cores())
         except common.UsageError:  # prepared from an earlier source (the file rewritten, another Python): again
             shutil.rmtree(folder)
-            prepare_data.prepare(args, kind, folder, workers=prepare_data.available_cores(), progress=False)
+            prepare_folder(source, kind, folder, workers=prepare_data.available_cores())
 
 
 def run_script(script, *flags, nproc=1, torchrun=False, timeout=600, env=None):

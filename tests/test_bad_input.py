@@ -5,7 +5,6 @@ as it was. docs/errors.md lists the same table.
 Each case runs the script's own code in this process, up to its first collective (common.init_process_group, which
 here stops the run instead): the imports are already made, so a case takes a fraction of a second instead of a
 process start. A few cases (COMMAND_LINE) also run as a user runs them, to see the one line a terminal shows."""
-import argparse
 import json
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +22,7 @@ from helpers import (
     TINY_DATA,
     TINY_RUN,
     copy_checkpoint,
+    prepare_folder,
     run_script,
     run_until_the_first_collective,
     traceback_through_our_code,
@@ -195,8 +195,7 @@ def bad_input_files(tmp_path_factory, tiny_run):
                  for i in range(20)]
     (tmp / "no_solution.jsonl").write_text("".join(json.dumps({"conversations": turns}) + "\n" for turns in greetings))
     for name, kind in [("two_docs", "pretrain"), ("no_solution", "sft"), ("spelling", "sft")]:  # as prepared folders
-        prepare_data.prepare(argparse.Namespace(data=str(tmp / f"{name}.jsonl"), data_config=None, text_field="text",
-                                                max_docs=0), kind, tmp / name, workers=1, progress=False)
+        prepare_folder(tmp / f"{name}.jsonl", kind, tmp / name)
     shutil.copytree(tmp / "ddp", tmp / "truncated")
     weights = tmp / "truncated" / "checkpoints" / "step_20" / "checkpoint.pt"
     weights.write_bytes(weights.read_bytes()[:1000])  # a copy that ran out of disk
@@ -299,9 +298,8 @@ def test_empty_or_foreign_data_files_are_one_error_line_and_write_nothing(kind, 
     command prints such a line once, with no traceback), and leaves no folder, partial or not; a training script
     given one says it is not prepared."""
     for name, path in empty_and_foreign_files(tmp_path / "data").items():
-        args = argparse.Namespace(data=str(path), data_config=None, text_field="text", max_docs=0)
         with pytest.raises(common.UsageError) as error:
-            prepare_data.prepare(args, kind, tmp_path / "prepared" / "out", workers=1, progress=False)
+            prepare_folder(path, kind, tmp_path / "prepared" / "out")
         message = str(error.value)
         assert message.startswith(f"--data {path}") and "\n" not in message and len(message) < 400, (name, message)
         with pytest.raises(common.UsageError, match="no complete folder written by prepare_data.py"):

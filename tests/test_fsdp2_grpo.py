@@ -14,7 +14,16 @@ import common
 import evaluate
 import prepare_data
 import tasks
-from helpers import RL_DATA, TINY_RUN, check, model_tensors, read_metrics, reply_saying, run_script
+from helpers import (
+    RL_DATA,
+    TINY_RUN,
+    check,
+    model_tensors,
+    prepare_folder,
+    read_metrics,
+    reply_saying,
+    run_script,
+)
 
 
 def fixed(mode, *flags, nproc=2):
@@ -79,8 +88,7 @@ def one_question_data(tmp_path):
     two steps of two prompts and one of one."""
     path = tmp_path / "qa.jsonl"
     path.write_text((json.dumps({"prompt": QUESTION, "answer": "The answer is 7."}) + "\n") * 6)  # in its words
-    prepare_data.prepare(argparse.Namespace(data=str(path), data_config=None, text_field="text", max_docs=0), "sft",
-                         tmp_path / "qa", workers=1, progress=False)
+    prepare_folder(path, "sft", tmp_path / "qa")
     return tmp_path / "qa"
 
 

@@ -1,6 +1,5 @@
 """prepare_data.py: a corpus tokenized once into memory-mapped files, byte for byte the same for any worker count,
 never half-written, and refused when it was made by another format or tokenizer."""
-import argparse
 import hashlib
 import json
 import os
@@ -18,7 +17,7 @@ import pytest
 import common
 import data
 import prepare_data
-from helpers import PYTHON, REPO, TINY_DATA, check, run_script
+from helpers import PYTHON, REPO, TINY_DATA, check, prepare_folder, run_script
 
 WORDS = ("the interpreter reads 42 lines of code, naïve café 東京 🙂 "
          "def f(x): return x ** 2\n\nand then").split(" ")
@@ -40,11 +39,6 @@ def args_for(folder, *flags):
     return common.finalize_args(parser.parse_args(["--model", "tiny", "--data", str(folder), *map(str, flags)]))
 
 
-def source(path):
-    """prepare_data.py's flags, reading --data PATH."""
-    return argparse.Namespace(data=str(path), data_config=None, text_field="text", max_docs=100_000)
-
-
 def sha256(path):
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -54,7 +48,7 @@ def prepared(tmp_path_factory):
     """A 3,000-document parquet file prepared in process with 1 worker, and with the command line and 2 workers."""
     tmp = tmp_path_factory.mktemp("prepare")
     texts = write_parquet(tmp / "docs.parquet", 3000)
-    prepare_data.prepare(source(tmp / "docs.parquet"), "pretrain", tmp / "one", workers=1, progress=False)
+    prepare_folder(tmp / "docs.parquet", "pretrain", tmp / "one")
     result = check(run_script("prepare_data.py", "--data", tmp / "docs.parquet", "--out-dir", tmp / "two",
                               "--workers", 2, torchrun=False))
     return tmp, texts, result
@@ -149,8 +143,7 @@ def test_a_folder_written_by_save_to_disk_is_read_as_the_dataset_it_holds(layout
         dataset = datasets.DatasetDict({"train": dataset, "test": datasets.Dataset.from_dict({"text": ["held apart"]})})
     dataset.save_to_disk(str(tmp_path / "saved"))
     for name in ("saved", "docs.jsonl"):
-        prepare_data.prepare(source(tmp_path / name), "pretrain", tmp_path / f"prepared-{name}", workers=1,
-                             progress=False)
+        prepare_folder(tmp_path / name, "pretrain", tmp_path / f"prepared-{name}")
     from_saved = data.load_pretraining_data(args_for(tmp_path / "prepared-saved"))
     from_jsonl = data.load_pretraining_data(args_for(tmp_path / "prepared-docs.jsonl"))
     for saved, jsonl in zip([from_saved[0], *from_saved[1].values()], [from_jsonl[0], *from_jsonl[1].values()]):

@@ -13,6 +13,7 @@ import common
 import data
 import prepare_data
 import tasks
+from helpers import prepare_folder
 
 IGNORE = common.IGNORE_INDEX
 S = common.SPECIAL_TOKENS
@@ -87,8 +88,7 @@ def test_builtin_reasoning_set_is_deterministic_and_correct():
 def sft_args(tmp_path, source):
     """The SFT's flags on SOURCE, prepared as `prepare_data.py --sft` prepares it."""
     folder = tmp_path / f"prepared-{Path(source).name}"
-    prepare_data.prepare(argparse.Namespace(data=str(source), data_config=None, text_field="text", max_docs=None),
-                         "sft", folder, workers=1, progress=False)
+    prepare_folder(source, "sft", folder)
     return argparse.Namespace(data=str(folder), val_fraction=0.25, buckets=[128])
 
 

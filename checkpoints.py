@@ -1,6 +1,7 @@
 """Checkpoint bookkeeping shared by every script: find, commit, verify and prune checkpoint folders; the --resume
-and --init-from lookups and the checks on a resume; reading an exported Hugging Face folder; and any checkpoint into
-one plain model. How each strategy saves and loads its state (DCP or torch.save) is written out in the scripts."""
+and --init-from lookups and the checks on a resume; reading an exported Hugging Face folder; and, for the tools, any
+checkpoint into one plain model. How each strategy saves and loads its state (DCP or torch.save) is written out in the
+scripts."""
 import json
 import os
 import pickle
@@ -165,25 +166,21 @@ def check_resume(resume_dir, args, data_order):
               f"{meta['step'] + 1}", flush=True)
 
 
-def find_init_checkpoint(args, source=None):
-    """--init-from: a checkpoint folder, a run folder (its newest checkpoint) or an export_hf.py folder. With a source
-    (a script that reads DCP's model/ folder shard by shard), by default the newest under runs/<source>, and only a
-    checkpoint that has that folder, or an export. With none (the whole model is read, load_checkpoint_model), any
-    script's."""
-    path = Path(args.init_from or f"runs/{source}")
+def find_init_checkpoint(args, writers, default_run=None):
+    """--init-from: a checkpoint folder or a run folder (its newest checkpoint) written by one of `writers`, the
+    scripts whose checkpoints hold the model in the layout this script reads ("export_hf": an export_hf.py folder);
+    by default the newest under runs/<default_run>."""
+    path = Path(args.init_from or f"runs/{default_run}")
     checkpoint_dir = newest_checkpoint(path)
-    if checkpoint_dir is None and source:
-        raise common.UsageError(f"--init-from {path} holds no complete {source}.py checkpoint: run `torchrun "
-                                f"--standalone --nproc_per_node=2 {source}.py --model {args.model}` first, or pass "
-                                f"another --init-from")
     if checkpoint_dir is None:
-        raise common.UsageError(f"--init-from {path} holds no complete checkpoint: pass a checkpoint folder, a run "
-                                f"folder or an export_hf.py folder")
+        first = f"run `torchrun --standalone --nproc_per_node=2 {default_run}.py --model {args.model}` first, or "
+        raise common.UsageError(f"--init-from {path} holds no complete checkpoint: {first if default_run else ''}pass "
+                                f"a checkpoint folder or a run folder")
     meta = read_meta(checkpoint_dir, "--init-from")
-    if source and not (meta.get("hf") or (checkpoint_dir / "model").is_dir()):
-        raise common.UsageError(f"--init-from {checkpoint_dir} was written by {meta['script']}.py, whose checkpoints "
-                                f"hold no model/ folder: start from a checkpoint of a script built on FSDP2, or an "
-                                f"export_hf.py folder")
+    writer = "export_hf" if meta.get("hf") else meta["script"]
+    if writer not in writers:
+        raise common.UsageError(f"--init-from {checkpoint_dir} was written by {writer}.py, whose layout this script "
+                                f"does not read: start from a checkpoint of {', '.join(f'{w}.py' for w in writers)}")
     if meta["model"] != args.model:
         raise common.UsageError(f"--init-from {checkpoint_dir} holds a '{meta['model']}' model: pass --model "
                                 f"{meta['model']}, or another --init-from")

@@ -260,9 +260,9 @@ def get_parser(description, default_out_dir, presets, init_from=None):
         add("--init-from", default=None, help=f"the checkpoint to start from: a checkpoint folder, a run folder (its "
             f"newest) or an export_hf.py folder (default: the newest under runs/{init_from})")
     else:
-        add("--init-from", default=None, help="start from the weights of a checkpoint of any training script (a "
-            "checkpoint folder, a run folder: its newest, or an export_hf.py folder) with a fresh optimizer and "
-            "schedule at step 0, as midtraining does (default: none, the model's own init)")
+        add("--init-from", default=None, help="start from the weights of a checkpoint this script could resume (a "
+            "checkpoint folder, or a run folder: its newest) with a fresh optimizer and schedule at step 0, as "
+            "midtraining does (default: none, the model's own init)")
     return parser
 
 

@@ -65,7 +65,7 @@ device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torc
 dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
 checkpoint_root = Path(args.out_dir) / "checkpoints"
 resume_dir = checkpoints.find_resume_checkpoint(args, checkpoint_root, SCRIPT)
-init_dir = None if resume_dir or not args.init_from else checkpoints.find_init_checkpoint(args)  # weights only
+init_dir = None if resume_dir or not args.init_from else checkpoints.find_init_checkpoint(args, RESUMED_BY)
 
 # ---------------------------------------------------------------------------------------------- data
 # Splits: each sample's start, length and target count, as arrays over the memory-mapped tokens.
@@ -90,8 +90,8 @@ dp_rank, cp_rank, cp_group = mesh["dp"].get_local_rank(), mesh["cp"].get_local_r
 # ---------------------------------------------------------------------------------------------- model
 torch.manual_seed(args.seed)  # the same init on every rank, and in every script
 model = modeling.build_model(args.model, args.activation_checkpointing)
-if init_dir is not None:  # midtraining: the weights of any checkpoint or export, read whole; the rest starts fresh
-    model.load_state_dict(checkpoints.load_checkpoint_model(init_dir)[0].state_dict())
+if init_dir is not None:  # midtraining: a checkpoint's weights, whole on every rank; the optimizer starts fresh
+    dcp.load(model.state_dict(), checkpoint_id=init_dir / "model")  # in place: a state_dict's tensors are the weights
 n_params, model_config = modeling.count_parameters(model), model.config
 if rank == 0:
     common.write_config(args, SCRIPT, world_size, device, dtype, n_params, tokens_per_step)  # and config.json

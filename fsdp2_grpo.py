@@ -37,6 +37,9 @@ import tasks
 SCRIPT = Path(__file__).stem  # names the run folder and is recorded in every checkpoint
 # The scripts that resume its checkpoints (recorded in each): the same format and data order.
 RESUMED_BY = [SCRIPT]
+# What --init-from reads: a model/ folder of DCP shards (the FSDP2 layout) or an export_hf.py folder.
+STARTS_FROM = ["fsdp2_pretrain", "fsdp2_tp_pretrain", "fsdp2_cp_pretrain", "pp_pretrain", "fsdp2_sft", "fsdp2_grpo",
+               "export_hf"]
 # Each --model preset's training defaults: the values of the flags left unset (its shape: common.MODEL_PRESETS).
 PRESETS = {
     "tiny": dict(buckets=[72], tokens_per_batch=512, lr=1e-4, warmup_steps=2, max_steps=20, eval_every=10,
@@ -72,7 +75,7 @@ device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torc
 dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
 checkpoint_root = Path(args.out_dir) / "checkpoints"
 resume_dir = checkpoints.find_resume_checkpoint(args, checkpoint_root, SCRIPT)
-init_dir = None if resume_dir else checkpoints.find_init_checkpoint(args, "fsdp2_sft")  # a resume has its weights
+init_dir = None if resume_dir else checkpoints.find_init_checkpoint(args, STARTS_FROM, "fsdp2_sft")
 init_meta = checkpoints.read_meta(init_dir, "--init-from") if init_dir else None
 if init_meta and not init_meta.get("chat_format"):  # the policy answers in the chat format: it must know it
     raise common.UsageError(f"--init-from {init_dir} was written by {init_meta['script']}.py (its model never learned "

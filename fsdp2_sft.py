@@ -38,6 +38,9 @@ import tasks
 SCRIPT = Path(__file__).stem  # names the run folder and is recorded in every checkpoint
 # The scripts that resume its checkpoints (recorded in each): the same format and data order.
 RESUMED_BY = [SCRIPT]
+# What --init-from reads: a model/ folder of DCP shards (the FSDP2 layout) or an export_hf.py folder.
+STARTS_FROM = ["fsdp2_pretrain", "fsdp2_tp_pretrain", "fsdp2_cp_pretrain", "pp_pretrain", "fsdp2_sft", "fsdp2_grpo",
+               "export_hf"]
 # Each --model preset's training defaults: the values of the flags left unset (its shape: common.MODEL_PRESETS).
 PRESETS = {
     "tiny": dict(buckets=[64, 96, 128], tokens_per_batch=512, lr=1e-3, warmup_steps=5, max_steps=20, eval_every=10,
@@ -69,7 +72,7 @@ device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torc
 dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
 checkpoint_root = Path(args.out_dir) / "checkpoints"
 resume_dir = checkpoints.find_resume_checkpoint(args, checkpoint_root, SCRIPT)
-init_dir = None if resume_dir else checkpoints.find_init_checkpoint(args, "fsdp2_pretrain")  # a resume has its weights
+init_dir = None if resume_dir else checkpoints.find_init_checkpoint(args, STARTS_FROM, "fsdp2_pretrain")
 
 # ---------------------------------------------------------------------------------------------- data
 tokenizer = common.get_chat_tokenizer()  # GPT-2 BPE plus the role and reasoning markers

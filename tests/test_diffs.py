@@ -11,10 +11,10 @@ from helpers import REPO
 
 # (before, after): {section: changed lines at most}. A section missing here may not change at all.
 DIFFS = {
-    ("ddp_pretrain.py", "fsdp1_pretrain.py"):  # the wrapper, its precision, its checkpoint, its no_sync and norm
-        {"preamble": 14, "model": 4, "wrap": 10, "checkpoint": 36, "evaluation": 3, "training loop": 7},
+    ("ddp_pretrain.py", "fsdp1_pretrain.py"):  # the wrapper, its precision, its checkpoint format, its no_sync and norm
+        {"preamble": 14, "model": 6, "wrap": 10, "checkpoint": 36, "evaluation": 3, "training loop": 7},
     ("fsdp1_pretrain.py", "fsdp2_pretrain.py"):  # fully_shard, ZeRO-2, model and optimizer apart, the resuming scripts
-        {"preamble": 17, "setup": 2, "wrap": 14, "checkpoint": 35, "training loop": 12},
+        {"preamble": 17, "setup": 2, "model": 2, "wrap": 14, "checkpoint": 35, "training loop": 12},
     ("fsdp2_pretrain.py", "fsdp2_tp_pretrain.py"):  # the 2D mesh: the tp plan, dp ranks reading, the norm's two meshes
         {"preamble": 8, "setup": 14, "data": 2, "distributed": 4, "model": 7, "tensor parallel": 15, "wrap": 6,
          "resume": 2, "evaluation": 4, "training loop": 21},
@@ -25,7 +25,7 @@ DIFFS = {
         {"preamble": 13, "setup": 15, "data": 2, "distributed": 5, "model": 30, "wrap": 3, "checkpoint": 28,
          "resume": 2, "pipeline": 21, "evaluation": 7, "training loop": 26},
     ("fsdp2_pretrain.py", "fsdp2_sft.py"):  # chat data, its init read shard by shard, the marker rows, accuracy
-        {"preamble": 35, "setup": 11, "data": 13, "model": 2, "init from a checkpoint": 17, "checkpoint": 3,
+        {"preamble": 38, "setup": 11, "data": 13, "model": 2, "init from a checkpoint": 17, "checkpoint": 3,
          "evaluation": 16, "end": 4},
     ("fsdp2_sft.py", "fsdp2_grpo.py"):  # prompts and rewards, rollouts, the advantage and the policy-gradient loss
         {"preamble": 27, "setup": 27, "data": 24, "model": 2, "init from a checkpoint": 9, "resume": 5,

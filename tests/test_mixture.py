@@ -70,11 +70,11 @@ def test_wsd_warms_up_holds_the_peak_then_decays_to_the_floor_linearly_or_as_one
 
 @pytest.fixture(scope="module")
 def midtraining(tiny_run, tmp_path_factory):
-    """FSDP2 on 2 ranks from the shared DDP run's last weights (torch.save's format), on the tests' corpus and the
-    built-in conversations 60:40, warmup-stable-decay over 20 steps. Returns (out_dir, flags)."""
+    """FSDP2 on 2 ranks from the shared FSDP2 run's last weights, on the tests' corpus and the built-in conversations
+    60:40, warmup-stable-decay over 20 steps. Returns (out_dir, flags)."""
     out = tmp_path_factory.mktemp("mid") / "run"
     flags = [*TINY_RUN, "--data", f"{TINY_DATA}:0.6", f"{BUILTIN_SFT}:0.4", "--init-from",
-             tiny_run("ddp_pretrain.py")[0], "--lr-schedule", "wsd", "--decay-fraction", 0.5]
+             tiny_run("fsdp2_pretrain.py")[0], "--lr-schedule", "wsd", "--decay-fraction", 0.5]
     check(run_script("fsdp2_pretrain.py", *flags, "--out-dir", out, nproc=2))
     return out, flags
 
@@ -84,8 +84,8 @@ def test_midtraining_starts_from_the_weights_and_logs_each_sources_validation_lo
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     validation = [row for row in rows if "val_loss" in row]
     assert [row["step"] for row in validation] == [0, 10, 20]
-    # Step 0 evaluates the DDP run's last weights: on the corpus they share, its last validation loss.
-    assert validation[0]["val_loss/tiny_corpus"] == pytest.approx(read_metrics(tiny_run("ddp_pretrain.py")[0])[1][20],
+    # Step 0 evaluates the FSDP2 run's last weights: on the corpus they share, its last validation loss.
+    assert validation[0]["val_loss/tiny_corpus"] == pytest.approx(read_metrics(tiny_run("fsdp2_pretrain.py")[0])[1][20],
                                                                    abs=1e-6)
     # val_loss: the sources' losses weighted by their target tokens.
     parser = common.get_parser("", "runs/x", common.script_presets("ddp_pretrain.py"))
@@ -99,21 +99,22 @@ def test_midtraining_starts_from_the_weights_and_logs_each_sources_validation_lo
     train = {row["step"]: row for row in rows if "loss" in row}
     assert {train[step]["lr"] for step in range(5, 11)} == {3e-3} and train[20]["lr"] < train[12]["lr"] < 3e-3  # wsd
     config = json.loads((out / "config.json").read_text())
-    assert config["flags"]["init_from"] == str(tiny_run("ddp_pretrain.py")[0])
+    assert config["flags"]["init_from"] == str(tiny_run("fsdp2_pretrain.py")[0])
     assert validation[-1]["val_loss/builtin-sft"] < validation[0]["val_loss/builtin-sft"] - 1  # it learns them
-    # The model learned the chat format (conversations read as text): its checkpoints say so, the DDP run's do not.
+    # The model learned the chat format (conversations read as text): its checkpoints say so, the source run's do not.
     assert json.loads((out / "checkpoints" / "step_20" / "meta.json").read_text())["chat_format"] is True
-    assert checkpoints.read_meta(checkpoints.resolve_checkpoint(tiny_run("ddp_pretrain.py")[0]), "x")[
+    assert checkpoints.read_meta(checkpoints.resolve_checkpoint(tiny_run("fsdp2_pretrain.py")[0]), "x")[
         "chat_format"] is False
     assert {"validation loss: builtin-sft against step", "validation loss: tiny_corpus against step"} <= set(
         plot.plot([out], tmp_path / "mid.png"))  # a panel per source
 
 
-def test_init_from_carries_the_weights_exactly(tiny_run, tmp_path):
-    """With --lr 0, one step changes nothing: the new run's checkpoint holds the DDP checkpoint's every tensor."""
-    source = checkpoints.resolve_checkpoint(tiny_run("ddp_pretrain.py")[0])
-    check(run_script("fsdp2_pretrain.py", *TINY_RUN, "--init-from", source, "--lr", 0, "--max-steps", 1,
-                     "--eval-every", 100, "--out-dir", tmp_path, nproc=2))
+@pytest.mark.parametrize("script", ["ddp_pretrain.py", "fsdp1_pretrain.py"])  # FSDP2's: the midtraining fixture
+def test_init_from_carries_the_weights_exactly(script, tiny_run, tmp_path):
+    """With --lr 0, one step changes nothing: the new run's checkpoint holds its source checkpoint's every tensor."""
+    source = checkpoints.resolve_checkpoint(tiny_run(script)[0])
+    check(run_script(script, *TINY_RUN, "--init-from", source, "--lr", 0, "--max-steps", 1, "--eval-every", 100,
+                     "--out-dir", tmp_path, nproc=2))
     before, _ = checkpoints.load_checkpoint_model(source)
     after, _ = checkpoints.load_checkpoint_model(checkpoints.resolve_checkpoint(tmp_path))
     assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(before.state_dict().values(),

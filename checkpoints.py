@@ -166,15 +166,13 @@ def check_resume(resume_dir, args, data_order):
               f"{meta['step'] + 1}", flush=True)
 
 
-def find_init_checkpoint(args, writers, default_run=None):
+def find_init_checkpoint(args, writers):
     """--init-from: a checkpoint folder or a run folder (its newest checkpoint) written by one of `writers`, the
-    scripts whose checkpoints hold the model in the layout this script reads ("export_hf": an export_hf.py folder);
-    by default the newest under runs/<default_run>."""
-    path = Path(args.init_from or f"runs/{default_run}")
-    checkpoint_dir = newest_checkpoint(path)
+    scripts whose checkpoints hold the model in the layout this script reads ("export_hf": an export_hf.py folder)."""
+    checkpoint_dir = newest_checkpoint(args.init_from)
     if checkpoint_dir is None:
-        first = f"run `torchrun --standalone --nproc_per_node=2 {default_run}.py --model {args.model}` first, or "
-        raise common.UsageError(f"--init-from {path} holds no complete checkpoint: {first if default_run else ''}pass "
+        raise common.UsageError(f"--init-from {args.init_from} holds no complete checkpoint: run `torchrun "
+                                f"--standalone --nproc_per_node=2 {writers[0]}.py --model {args.model}` first, or pass "
                                 f"a checkpoint folder or a run folder")
     meta = read_meta(checkpoint_dir, "--init-from")
     writer = "export_hf" if meta.get("hf") else meta["script"]

@@ -151,54 +151,34 @@ def bucket_lengths(text):
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The docstring's commands keep their lines; every flag shows its default, except where the help itself says
-    (the flags a preset fills list its value per preset)."""
+    """The docstring's commands keep their lines; every flag shows its default, but None (its help says what none
+    means)."""
 
     def _get_help_string(self, action):
         return action.help if action.default is None else super()._get_help_string(action)
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose errors are one line, `error: ...`, printed by rank 0 only (no usage block). A training script's
-    parser also takes its training defaults per --model preset (presets: {preset: {flag name: value}}): a flag left
-    unset (default None) takes the preset's value, and its help lists it per preset; a micro-batch must then hold one
-    sample of the largest bucket."""
+    """argparse whose errors are one line (a UsageError: `error: ...` from rank 0, exit status 2, no usage block), and
+    where a typo such as --max-step is an error, not an abbreviation of --max-steps."""
 
-    def __init__(self, description, presets=None):
-        self.presets = presets  # set first: argparse's __init__ adds --help through add_argument
-        # allow_abbrev=False: a typo such as --max-step is an error, not silently --max-steps
-        super().__init__(description=description, formatter_class=HelpFormatter, allow_abbrev=False)
-
-    def add_argument(self, *flags, **kwargs):
-        if self.presets and kwargs.get("default", 0) is None and "help" in kwargs:  # the preset may fill it
-            kwargs["help"] = preset_help(kwargs["help"], flags[-1], self.presets)
-        return super().add_argument(*flags, **kwargs)
-
-    def parse_args(self, args=None, namespace=None):
-        args = super().parse_args(args, namespace)
-        if self.presets:  # the flags left unset take the --model preset's values
-            for name, value in {"min_lr_ratio": 0.1, **self.presets[args.model]}.items():
-                if name in vars(args) and getattr(args, name) is None:  # a flag of this parser (scripts add their own)
-                    setattr(args, name, value)
-            if args.tokens_per_batch < args.buckets[-1]:  # a micro-batch holds one sample of the largest bucket
-                self.error(f"--tokens-per-batch {args.tokens_per_batch} is smaller than the largest bucket "
-                           f"({args.buckets[-1]}): raise --tokens-per-batch or lower --buckets")
-        return args
+    def __init__(self, description, add_help=True):
+        super().__init__(description=description, formatter_class=HelpFormatter, allow_abbrev=False, add_help=add_help)
 
     def error(self, message):
-        report_once(f"error: {message}", sys.stderr)
-        sys.exit(2)
+        raise UsageError(message)
 
 
-def preset_help(help, flag, presets):
-    """A flag's help, and the value each preset gives it where it gives one."""
-    name = flag.lstrip("-").replace("-", "_")
-    values = {model: {"min_lr_ratio": 0.1, **presets[model]}.get(name) for model in MODEL_PRESETS}
-    shown = {model: ",".join(map(str, value)) if isinstance(value, list) else value
-             for model, value in values.items() if value is not None}
-    if len(set(shown.values())) == 1 and len(shown) == len(MODEL_PRESETS):
-        return f"{help} (default: {next(iter(shown.values()))})"
-    return f"{help} (default by --model: {', '.join(f'{m}: {v}' for m, v in shown.items())})" if shown else help
+def parse_args(parser, presets, argv=None):
+    """A training script's flags, those left unset taking their --model preset's values from the script's PRESETS:
+    --model is read first, so that `--model tiny --help` shows tiny's."""
+    parser.set_defaults(**presets[parser.parse_known_args(argv)[0].model])
+    parser.add_argument("-h", "--help", action="help", help="show this message and exit")
+    args = parser.parse_args(argv)
+    if args.tokens_per_batch < args.buckets[-1]:  # a micro-batch holds one sample of the largest bucket
+        raise UsageError(f"--tokens-per-batch {args.tokens_per_batch} is smaller than the largest bucket "
+                         f"({args.buckets[-1]}): raise --tokens-per-batch or lower --buckets")
+    return args
 
 
 def script_presets(script):
@@ -209,20 +189,20 @@ def script_presets(script):
     return eval(compile(ast.Expression(node.value), script, "eval"), {"__builtins__": {}, "dict": dict})  # dicts only
 
 
-def get_parser(description, default_out_dir, presets, init_from=None):
-    """The parser of a training script, with the flags they share (each script adds its own --data). presets: its
-    training defaults per --model preset (ArgumentParser); init_from: the script whose newest checkpoint it starts from
-    by default (else --init-from is optional)."""
-    parser = ArgumentParser(description, presets)
+def get_parser(description, default_out_dir):
+    """The parser of a training script, with the flags they share (each script adds its own --data and --init-from);
+    parse_args fills the flags whose default is None from the script's PRESETS."""
+    parser = ArgumentParser(description, add_help=False)  # --help comes last, once the preset's values are in
     add = parser.add_argument
-    add("--model", default="small", choices=list(MODEL_PRESETS), help="model preset (and its training defaults)")
+    add("--model", default="small", choices=list(MODEL_PRESETS), help="model preset: its shape, and the training "
+        "defaults of the script's PRESETS (`--model M --help` shows M's)")
     add("--val-fraction", type=number(float, above=0, below=1), default=0.05,
         help="share of each source's documents (conversations, problems) held out for validation, at most 500")
     add("--buckets", type=bucket_lengths, default=None, help="comma-separated bucket max lengths in tokens")
     add("--tokens-per-batch", type=COUNT, default=None,
         help="tokens per micro-batch per rank; a bucket's batch size is this // its length")
     add("--lr", type=NON_NEGATIVE, default=None, help="peak learning rate")
-    add("--min-lr-ratio", type=number(float, at_least=0, at_most=1), default=None,
+    add("--min-lr-ratio", type=number(float, at_least=0, at_most=1), default=0.1,
         help="the schedule decays to lr * this")
     add("--lr-schedule", choices=["cosine", "wsd"], default="cosine", help="after the warmup: cosine decay over the "
         "whole run, or warmup-stable-decay (held at --lr, then decayed over the last --decay-fraction of the steps: "
@@ -233,8 +213,7 @@ def get_parser(description, default_out_dir, presets, init_from=None):
         help="wsd: the decay's shape, lr x (1 - t) or lr x (1 - sqrt(t)) for t from 0 to 1 (Hägele et al., 2024)")
     add("--warmup-steps", type=NON_NEGATIVE_INT, default=None, help="linear warmup steps")
     length = parser.add_mutually_exclusive_group()  # the run's length: in steps or in tokens, not both
-    length.add_argument("--max-steps", type=COUNT, default=None,
-                        help=preset_help("optimizer steps in the whole run", "--max-steps", presets))
+    length.add_argument("--max-steps", type=COUNT, default=None, help="optimizer steps in the whole run")
     length.add_argument("--max-tokens", type=COUNT, default=None, help="the run's length in tokens instead of steps: "
                         "steps = this / tokens per step, shown at start (default: none, --max-steps sets the length)")
     add("--weight-decay", type=NON_NEGATIVE, default=0.1, help="AdamW weight decay, on matrices only")
@@ -256,13 +235,6 @@ def get_parser(description, default_out_dir, presets, init_from=None):
         help="full: keep only each decoder layer's input and recompute the layer in backward (least memory); "
         "selective: also keep the outputs of its matmuls and attention, recompute only the element-wise ops "
         "(more memory; no matmul runs twice, about a quarter less compute)")
-    if init_from:
-        add("--init-from", default=None, help=f"the checkpoint to start from: a checkpoint folder, a run folder (its "
-            f"newest) or an export_hf.py folder (default: the newest under runs/{init_from})")
-    else:
-        add("--init-from", default=None, help="start from the weights of a checkpoint this script could resume (a "
-            "checkpoint folder, or a run folder: its newest) with a fresh optimizer and schedule at step 0, as "
-            "midtraining does (default: none, the model's own init)")
     return parser
 
 

@@ -46,10 +46,13 @@ PRESETS = {
 # ---------------------------------------------------------------------------------------------- setup
 rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 local_rank = int(os.environ.get("LOCAL_RANK", 0))
-parser = common.get_parser(__doc__, f"runs/{SCRIPT}", PRESETS)
+parser = common.get_parser(__doc__, f"runs/{SCRIPT}")
 common.add_batch_arguments(parser)  # --grad-accum, --bucket-order
 parser.add_argument("--data", nargs="+", default=["data/builtin"], help="prepared folders, or FOLDER:WEIGHT ...")
-args = parser.parse_args()
+parser.add_argument("--init-from", default=None, help="start from the weights of a checkpoint this script resumes (a "
+                    "checkpoint folder, or a run folder: its newest) at step 0, with a fresh optimizer and schedule "
+                    "(default: none, the model's own init)")
+args = common.parse_args(parser, PRESETS)  # the flags left unset: the --model preset's
 tokens_per_step = args.tokens_per_batch * args.grad_accum * world_size  # positions a step computes, padding too
 args = common.finalize_args(args, tokens_per_step)
 device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")

@@ -43,14 +43,17 @@ PRESETS = {
 # ---------------------------------------------------------------------------------------------- setup
 rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 local_rank = int(os.environ.get("LOCAL_RANK", 0))
-parser = common.get_parser(__doc__, f"runs/{SCRIPT}", PRESETS)
+parser = common.get_parser(__doc__, f"runs/{SCRIPT}")
 common.add_batch_arguments(parser)  # --grad-accum, --bucket-order
 parser.add_argument("--data", nargs="+", default=["data/builtin"], help="prepared folders, or FOLDER:WEIGHT ...")
+parser.add_argument("--init-from", default=None, help="start from the weights of a checkpoint this script resumes (a "
+                    "checkpoint folder, or a run folder: its newest) at step 0, with a fresh optimizer and schedule "
+                    "(default: none, the model's own init)")
 parser.add_argument("--reshard-after-forward", type=common.boolean, default=True, help="true: a layer's gathered "
                     "parameters are freed after forward, gathered again in backward (ZeRO-3); false: kept (ZeRO-2)")
 parser.add_argument("--cp", type=common.COUNT, default=2, help="context-parallel degree: the ranks that split each "
                     "sequence; the world size / cp replicas (dp) read different samples")
-args = parser.parse_args()
+args = common.parse_args(parser, PRESETS)  # the flags left unset: the --model preset's
 if world_size % args.cp:
     raise common.UsageError(f"--cp {args.cp} does not divide the world size {world_size}: choose a --cp that does")
 if any(bucket_len % (2 * args.cp) for bucket_len in args.buckets):  # each sequence is cut into 2 x cp equal chunks

@@ -38,7 +38,7 @@ SCRIPT = Path(__file__).stem  # names the run folder and is recorded in every ch
 # The scripts that resume its checkpoints (recorded in each): the same format and data order.
 RESUMED_BY = [SCRIPT]
 # What --init-from reads: a model/ folder of DCP shards (the FSDP2 layout) or an export_hf.py folder.
-STARTS_FROM = ["fsdp2_pretrain", "fsdp2_tp_pretrain", "fsdp2_cp_pretrain", "pp_pretrain", "fsdp2_sft", "fsdp2_grpo",
+STARTS_FROM = ["fsdp2_sft", "fsdp2_grpo", "fsdp2_pretrain", "fsdp2_tp_pretrain", "fsdp2_cp_pretrain", "pp_pretrain",
                "export_hf"]
 # Each --model preset's training defaults: the values of the flags left unset (its shape: common.MODEL_PRESETS).
 PRESETS = {
@@ -55,8 +55,10 @@ PRESETS = {
 # ---------------------------------------------------------------------------------------------- setup
 rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 local_rank = int(os.environ.get("LOCAL_RANK", 0))
-parser = common.get_parser(__doc__, f"runs/{SCRIPT}", PRESETS, init_from="fsdp2_sft")
+parser = common.get_parser(__doc__, f"runs/{SCRIPT}")
 parser.add_argument("--data", default="data/builtin-rl", help="a folder of problems (prepare_data.py --sft)")
+parser.add_argument("--init-from", default="runs/fsdp2_sft", help="the checkpoint to start from: a checkpoint "
+                    "folder, a run folder (its newest) or an export_hf.py folder")
 parser.add_argument("--reshard-after-forward", type=common.boolean, default=True, help="true: a layer's gathered "
                     "parameters are freed after forward, gathered again in backward (ZeRO-3); false: kept (ZeRO-2)")
 parser.add_argument("--eval-generate", type=common.NON_NEGATIVE_INT, default=None,
@@ -67,7 +69,7 @@ parser.add_argument("--prompts-per-step", type=common.COUNT, default=None, help=
 parser.add_argument("--reward", choices=tasks.REWARDS, default="exact-text", help="a reply's answer, compared with "
                     "the reference's: exact-text, the text between its solution markers (as evaluate.py scores it); "
                     "final-number, the last number between them (else in the whole reply), for data such as GSM8K")
-args = parser.parse_args()
+args = common.parse_args(parser, PRESETS)  # the flags left unset: the --model preset's
 rows = args.tokens_per_batch // args.buckets[-1]  # a step's positions: its rollouts, in batches of this many rows
 tokens_per_step = -(-args.prompts_per_step * args.group_size // rows) * rows * args.buckets[-1] * world_size
 args = common.finalize_args(args, tokens_per_step)
@@ -75,7 +77,7 @@ device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torc
 dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
 checkpoint_root = Path(args.out_dir) / "checkpoints"
 resume_dir = checkpoints.find_resume_checkpoint(args, checkpoint_root, SCRIPT)
-init_dir = None if resume_dir else checkpoints.find_init_checkpoint(args, STARTS_FROM, "fsdp2_sft")
+init_dir = None if resume_dir else checkpoints.find_init_checkpoint(args, STARTS_FROM)
 init_meta = checkpoints.read_meta(init_dir, "--init-from") if init_dir else None
 if init_meta and not init_meta.get("chat_format"):  # the policy answers in the chat format: it must know it
     raise common.UsageError(f"--init-from {init_dir} was written by {init_meta['script']}.py (its model never learned "

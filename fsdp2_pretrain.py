@@ -41,12 +41,15 @@ PRESETS = {
 # ---------------------------------------------------------------------------------------------- setup
 rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 local_rank = int(os.environ.get("LOCAL_RANK", 0))
-parser = common.get_parser(__doc__, f"runs/{SCRIPT}", PRESETS)
+parser = common.get_parser(__doc__, f"runs/{SCRIPT}")
 common.add_batch_arguments(parser)  # --grad-accum, --bucket-order
 parser.add_argument("--data", nargs="+", default=["data/builtin"], help="prepared folders, or FOLDER:WEIGHT ...")
+parser.add_argument("--init-from", default=None, help="start from the weights of a checkpoint this script resumes (a "
+                    "checkpoint folder, or a run folder: its newest) at step 0, with a fresh optimizer and schedule "
+                    "(default: none, the model's own init)")
 parser.add_argument("--reshard-after-forward", type=common.boolean, default=True, help="true: a layer's gathered "
                     "parameters are freed after forward, gathered again in backward (ZeRO-3); false: kept (ZeRO-2)")
-args = parser.parse_args()
+args = common.parse_args(parser, PRESETS)  # the flags left unset: the --model preset's
 tokens_per_step = args.tokens_per_batch * args.grad_accum * world_size  # positions a step computes, padding too
 args = common.finalize_args(args, tokens_per_step)
 device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")

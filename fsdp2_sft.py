@@ -55,9 +55,11 @@ PRESETS = {
 # ---------------------------------------------------------------------------------------------- setup
 rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 local_rank = int(os.environ.get("LOCAL_RANK", 0))
-parser = common.get_parser(__doc__, f"runs/{SCRIPT}", PRESETS, init_from="fsdp2_pretrain")
+parser = common.get_parser(__doc__, f"runs/{SCRIPT}")
 common.add_batch_arguments(parser)  # --grad-accum, --bucket-order
 parser.add_argument("--data", default="data/builtin-sft", help="a folder of conversations (prepare_data.py --sft)")
+parser.add_argument("--init-from", default="runs/fsdp2_pretrain", help="the checkpoint to start from: a checkpoint "
+                    "folder, a run folder (its newest) or an export_hf.py folder")
 parser.add_argument("--reshard-after-forward", type=common.boolean, default=True, help="true: a layer's gathered "
                     "parameters are freed after forward, gathered again in backward (ZeRO-3); false: kept (ZeRO-2)")
 parser.add_argument("--eval-generate", type=common.NON_NEGATIVE_INT, default=None,
@@ -65,14 +67,14 @@ parser.add_argument("--eval-generate", type=common.NON_NEGATIVE_INT, default=Non
 parser.add_argument("--replay", default=None, help="SOURCE:SHARE: pretraining text trained on beside the conversations "
                     "as that share of the tokens, every token a target, so that the model keeps its prose (e.g. "
                     "data/builtin:0.2; default: none)")
-args = parser.parse_args()
+args = common.parse_args(parser, PRESETS)  # the flags left unset: the --model preset's
 tokens_per_step = args.tokens_per_batch * args.grad_accum * world_size  # positions a step computes, padding too
 args = common.finalize_args(args, tokens_per_step)
 device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
 dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
 checkpoint_root = Path(args.out_dir) / "checkpoints"
 resume_dir = checkpoints.find_resume_checkpoint(args, checkpoint_root, SCRIPT)
-init_dir = None if resume_dir else checkpoints.find_init_checkpoint(args, STARTS_FROM, "fsdp2_pretrain")
+init_dir = None if resume_dir else checkpoints.find_init_checkpoint(args, STARTS_FROM)
 
 # ---------------------------------------------------------------------------------------------- data
 tokenizer = common.get_chat_tokenizer()  # GPT-2 BPE plus the role and reasoning markers

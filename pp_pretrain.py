@@ -43,14 +43,17 @@ PRESETS = {
 # ---------------------------------------------------------------------------------------------- setup
 rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 local_rank = int(os.environ.get("LOCAL_RANK", 0))
-parser = common.get_parser(__doc__, f"runs/{SCRIPT}", PRESETS)
+parser = common.get_parser(__doc__, f"runs/{SCRIPT}")
 common.add_batch_arguments(parser)  # --grad-accum, --bucket-order
 parser.add_argument("--data", nargs="+", default=["data/builtin"], help="prepared folders, or FOLDER:WEIGHT ...")
+parser.add_argument("--init-from", default=None, help="start from the weights of a checkpoint this script resumes (a "
+                    "checkpoint folder, or a run folder: its newest) at step 0, with a fresh optimizer and schedule "
+                    "(default: none, the model's own init)")
 parser.add_argument("--pp", type=common.COUNT, default=None, help="pipeline stages (default: the world size)")
 parser.add_argument("--pp-schedule", choices=["gpipe", "1f1b"], default="1f1b", help="gpipe: every forward, then "
                     "every backward; 1f1b: in turn, so a stage keeps at most pp micro-batches' activations")
 parser.set_defaults(grad_accum=4)  # the micro-batches that fill a pipeline: (pp - 1) / (grad_accum + pp - 1) idles
-args = parser.parse_args()
+args = common.parse_args(parser, PRESETS)  # the flags left unset: the --model preset's
 args.pp, n_layers = args.pp or world_size, common.MODEL_PRESETS[args.model]["model"]["num_hidden_layers"]
 if n_layers % args.pp or world_size % args.pp:
     raise common.UsageError(f"--pp {args.pp} must divide the '{args.model}' preset's {n_layers} layers and the world "

@@ -35,7 +35,7 @@ parser.add_argument("--compile", action="store_true", help="bare loop: compile t
 cli = parser.parse_args()
 rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 presets = common.script_presets("fsdp2_sft.py" if cli.mode == "trl" else "ddp_pretrain.py")  # their training defaults
-args = common.finalize_args(common.get_parser("", cli.out_dir, presets).parse_args(
+args = common.finalize_args(common.parse_args(common.get_parser("", cli.out_dir), presets,
     ["--model", cli.model, "--out-dir", cli.out_dir]
     + (["--buckets", cli.buckets] if cli.buckets else [])
     + (["--tokens-per-batch", str(cli.tokens_per_batch)] if cli.tokens_per_batch else [])))

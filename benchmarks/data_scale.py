@@ -110,8 +110,9 @@ if cli.only_prepare:
     sys.exit("\n".join(f"{name}: {figure}; {detail}" for name, figure, detail in rows))
 
 # ---------------------------------------------------------------------------------------------- index and schedule
-parser = common.get_parser("", "runs/x", common.script_presets("ddp_pretrain.py"))
-args = common.finalize_args(parser.parse_args(["--model", "qwen2-0.5b"]))
+parser = common.get_parser("", "runs/x")
+args = common.parse_args(parser, common.script_presets("ddp_pretrain.py"), ["--model", "qwen2-0.5b"])
+args = common.finalize_args(args)
 args.data = [str(work / "prepared-2")]
 start = time.perf_counter()
 train, val = data.load_pretraining_data(args)

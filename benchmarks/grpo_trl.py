@@ -103,11 +103,13 @@ def grpo_flags(bucket_len):
 def training_prompts(bucket_len):
     """The flags as fsdp2_grpo.py parses them, and the prompts (token ids) and answers of its training split: read
     here with its very flags, so they are the ones it trains on."""
-    parser = common.get_parser("", str(ours_dir), common.script_presets("fsdp2_grpo.py"), init_from="fsdp2_sft")
-    for flag, kind in [("--eval-generate", int), ("--group-size", int), ("--prompts-per-step", int), ("--data", str)]:
+    parser = common.get_parser("", str(ours_dir))
+    for flag, kind in [("--eval-generate", int), ("--group-size", int), ("--prompts-per-step", int), ("--data", str),
+                       ("--init-from", str)]:
         parser.add_argument(flag, type=kind)  # its own flags
     parser.add_argument("--reward", default="final-number")
-    args = common.finalize_args(parser.parse_args([str(flag) for flag in grpo_flags(bucket_len)]))
+    argv = [str(flag) for flag in grpo_flags(bucket_len)]
+    args = common.finalize_args(common.parse_args(parser, common.script_presets("fsdp2_grpo.py"), argv))
     train, _ = data.load_sft_data(args)
     prompts, answers, _ = data.answer_prompts(chat_tokenizer, train, len(train.lengths), args.reward)
     return args, prompts, answers

@@ -1,5 +1,6 @@
-"""What a user sees before and as a run starts: --help with each flag's effective default, one error line for a flag
-out of its range or not honoured, --max-tokens, the start block and config.json, the progress bar."""
+"""What a user sees before and as a run starts: --help with each flag's effective default for the --model given, one
+error line for a flag out of its range or not honoured, --max-tokens, the start block and config.json, the progress
+bar."""
 import contextlib
 import io
 import json
@@ -18,28 +19,30 @@ STAGES = {"ddp_pretrain.py": "train", "fsdp1_pretrain.py": "train", "fsdp2_pretr
 PRESETS = {STAGES[script]: common.script_presets(script) for script in STAGES}  # each kind of script's
 
 
-def parser_of(stage):
-    """The parser a script of this stage builds its own flags on."""
-    parser = common.get_parser("", "runs/x", PRESETS[stage])
+def parse(stage, flags):
+    """The flags as a script of this stage parses them (its own flags aside)."""
+    parser = common.get_parser("", "runs/x")
     if stage != "grpo":  # its steps take prompts, not batches of samples
         common.add_batch_arguments(parser)
-    return parser
+    return common.parse_args(parser, PRESETS[stage], flags)
+
+
+def help_text(script, *flags):
+    """What `python SCRIPT [FLAGS] --help` prints: the script's own code, run in this process up to argparse's exit
+    (its imports are made already; test_bad_input.py's COMMAND_LINE cases run the scripts as a user does)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("COLUMNS", "120")  # wrapped alike on any terminal
+        patch.setattr(sys, "argv", [script, *flags, "--help"])
+        with contextlib.redirect_stdout(io.StringIO()) as stdout, pytest.raises(SystemExit) as exit:
+            runpy.run_path(str(REPO / script), run_name="__main__")
+    assert exit.value.code == 0
+    return stdout.getvalue()
 
 
 @pytest.fixture(scope="module")
 def help_texts():
-    """{script: what `python SCRIPT --help` prints}: the script's own code, run in this process up to argparse's exit
-    (its imports are made already; test_bad_input.py's COMMAND_LINE cases run the scripts as a user does)."""
-    texts = {}
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("COLUMNS", "120")  # wrapped alike on any terminal
-        for script in STAGES:
-            patch.setattr(sys, "argv", [script, "--help"])
-            with contextlib.redirect_stdout(io.StringIO()) as stdout, pytest.raises(SystemExit) as exit:
-                runpy.run_path(str(REPO / script), run_name="__main__")
-            assert exit.value.code == 0
-            texts[script] = stdout.getvalue()
-    return texts
+    """{script: what `python SCRIPT --help` prints}."""
+    return {script: help_text(script) for script in STAGES}
 
 
 def flag_blocks(text):
@@ -62,11 +65,13 @@ def test_help_shows_every_flags_default_and_keeps_the_commands_lines(script, hel
     for flag, block in blocks.items():
         assert "default" in block, f"{script} {flag}: {block}"
         assert "default: None" not in block, f"{script} {flag}: {block}"
-    # A flag the preset fills says what each preset gives it.
-    max_steps = {"train": "tiny: 20, small: 60, qwen2-0.5b: 5000", "sft": "tiny: 20, small: 1500, qwen2-0.5b: 2000",
-                 "grpo": "tiny: 20, small: 30, qwen2-0.5b: 500"}[STAGES[script]]
-    assert f"(default by --model: {max_steps})" in blocks["--max-steps"]
-    assert "small: 32,48,64,96,128,192,256" in blocks["--buckets"] or STAGES[script] != "train"
+    # A flag the preset fills shows the value of the --model given (default: small), as the script's PRESETS say.
+    presets = PRESETS[STAGES[script]]
+    assert f"(default: {presets['small']['max_steps']})" in blocks["--max-steps"]
+    assert f"(default: {presets['small']['buckets']})" in blocks["--buckets"]
+    tiny = flag_blocks(help_text(script, "--model", "tiny"))
+    assert f"(default: {presets['tiny']['max_steps']})" in tiny["--max-steps"]
+    assert presets["tiny"]["max_steps"] != presets["small"]["max_steps"]
     assert "{tiny,small,qwen2-0.5b}" in blocks["--model"]
     # the docstring's command, on its own line
     assert f"\n    torchrun --standalone --nproc_per_node=2 {script}" in text
@@ -85,10 +90,9 @@ def test_grpo_accepts_no_flag_it_does_not_honour(capsys, help_texts):
     text = help_texts["fsdp2_grpo.py"]
     assert "--grad-accum" not in text and "--bucket-order" not in text
     for flag in (["--grad-accum", "2"], ["--bucket-order", "ascending"]):
-        with pytest.raises(SystemExit) as exit:  # the parser fsdp2_grpo.py builds its own flags on
-            common.get_parser("", "runs/x", PRESETS["grpo"], init_from="fsdp2_sft").parse_args(flag)
-        assert exit.value.code == 2
-        assert capsys.readouterr().err == f"error: unrecognized arguments: {' '.join(flag)}\n"
+        with pytest.raises(common.UsageError) as error:  # the parser fsdp2_grpo.py builds its own flags on
+            common.parse_args(common.get_parser("", "runs/x"), PRESETS["grpo"], flag)
+        assert str(error.value) == f"unrecognized arguments: {' '.join(flag)}"
 
 
 @pytest.mark.parametrize("stage,flags,words", [
@@ -102,12 +106,10 @@ def test_grpo_accepts_no_flag_it_does_not_honour(capsys, help_texts):
     ("train", ["--max-tokens", "0"], "argument --max-tokens: must be at least 1, got 0"),
     ("train", ["--buckets", "1,64"], "argument --buckets: every bucket must hold at least 2 tokens"),
 ])
-def test_a_flag_out_of_its_range_is_one_line_naming_it(stage, flags, words, capsys):
-    with pytest.raises(SystemExit) as exit:
-        parser_of(stage).parse_args(flags)
-    assert exit.value.code == 2
-    error = capsys.readouterr().err
-    assert error.startswith(f"error: {words}") and error.count("\n") == 1, error
+def test_a_flag_out_of_its_range_is_one_line_naming_it(stage, flags, words):
+    with pytest.raises(common.UsageError) as error:  # one line `error: ...`, exit status 2 (test_bad_input.py)
+        parse(stage, flags)
+    assert str(error.value).startswith(words) and "\n" not in str(error.value), error.value
 
 
 def test_max_tokens_sets_the_steps_from_the_tokens_per_step(ddp_one_process):
@@ -118,15 +120,13 @@ def test_max_tokens_sets_the_steps_from_the_tokens_per_step(ddp_one_process):
     assert json.loads((ddp_one_process / "config.json").read_text())["tokens_per_step"] == 512 * 2
 
     def finalize(stage, *flags, tokens_per_step=2048):
-        return common.finalize_args(parser_of(stage).parse_args(["--model", "tiny", *flags]),
-                                    tokens_per_step)
+        return common.finalize_args(parse(stage, ["--model", "tiny", *flags]), tokens_per_step)
 
     assert finalize("train", "--max-tokens", "10000").max_steps == 5
     assert finalize("train", "--max-tokens", "10240").max_steps == 5  # exactly 5 steps' worth
     assert finalize("grpo", "--max-tokens", "4000", tokens_per_step=1000).max_steps == 4
-    with pytest.raises(SystemExit) as exit:  # the run's length in steps or in tokens, not both: argparse's one line
+    with pytest.raises(common.UsageError, match="not allowed with argument"):  # the length in steps or in tokens
         finalize("train", "--max-tokens", "1000", "--max-steps", "5")
-    assert exit.value.code == 2
 
 
 def test_generate_refuses_a_negative_temperature_in_one_line(tmp_path):

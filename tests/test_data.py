@@ -45,10 +45,11 @@ def list_schedule(lengths, buckets, tokens_per_batch, world_size, grad_accum, se
 
 
 def parse(flags):
-    parser = common.get_parser("", "runs/x", common.script_presets("ddp_pretrain.py"))
+    parser = common.get_parser("", "runs/x")
     common.add_batch_arguments(parser)
     parser.add_argument("--data", nargs="+", default=[str(BUILTIN_TEXT)])  # the pretraining scripts', the tests' copy
-    return common.finalize_args(parser.parse_args([str(flag) for flag in flags]))
+    presets = common.script_presets("ddp_pretrain.py")
+    return common.finalize_args(common.parse_args(parser, presets, [str(flag) for flag in flags]))
 
 
 @pytest.fixture(scope="module")

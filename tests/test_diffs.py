@@ -25,7 +25,7 @@ DIFFS = {
         {"preamble": 13, "setup": 15, "data": 2, "distributed": 5, "model": 30, "wrap": 3, "checkpoint": 28,
          "resume": 2, "pipeline": 21, "evaluation": 7, "training loop": 26},
     ("fsdp2_pretrain.py", "fsdp2_sft.py"):  # chat data, its init read shard by shard, the marker rows, accuracy
-        {"preamble": 38, "setup": 11, "data": 13, "model": 2, "init from a checkpoint": 17, "checkpoint": 3,
+        {"preamble": 38, "setup": 14, "data": 13, "model": 2, "init from a checkpoint": 17, "checkpoint": 3,
          "evaluation": 16, "end": 4},
     ("fsdp2_sft.py", "fsdp2_grpo.py"):  # prompts and rewards, rollouts, the advantage and the policy-gradient loss
         {"preamble": 27, "setup": 27, "data": 24, "model": 2, "init from a checkpoint": 9, "resume": 5,

@@ -112,9 +112,10 @@ def test_arith_gen_equals_the_sft_scripts_val_accuracy(tiny_run, tmp_path):
     own --val-fraction, which the checkpoint records), and the same accuracy on its checkpoint; the command writes
     every task's rows."""
     out, _ = tiny_run("fsdp2_sft.py")
-    parser = common.get_parser("", str(tmp_path), common.script_presets("fsdp2_sft.py"))
+    parser = common.get_parser("", str(tmp_path))
     parser.add_argument("--data")  # one folder, as the SFT's
-    args = common.finalize_args(parser.parse_args([*map(str, TINY_RUN), *map(str, SFT_DATA)]))
+    argv = [*map(str, TINY_RUN), *map(str, SFT_DATA)]
+    args = common.finalize_args(common.parse_args(parser, common.script_presets("fsdp2_sft.py"), argv))
     tokenizer = common.get_chat_tokenizer()
     prompts, answers, _ = data.answer_prompts(tokenizer, data.load_sft_data(args)[1]["builtin-sft"], 8,
                                           "exact-text")

@@ -88,9 +88,10 @@ def test_midtraining_starts_from_the_weights_and_logs_each_sources_validation_lo
     assert validation[0]["val_loss/tiny_corpus"] == pytest.approx(read_metrics(tiny_run("fsdp2_pretrain.py")[0])[1][20],
                                                                    abs=1e-6)
     # val_loss: the sources' losses weighted by their target tokens.
-    parser = common.get_parser("", "runs/x", common.script_presets("ddp_pretrain.py"))
+    parser = common.get_parser("", "runs/x")
     parser.add_argument("--data", nargs="+")
-    _, val = data.load_pretraining_data(common.finalize_args(parser.parse_args(list(map(str, flags)))))
+    args = common.parse_args(parser, common.script_presets("ddp_pretrain.py"), list(map(str, flags)))
+    _, val = data.load_pretraining_data(common.finalize_args(args))
     counts = {name: int(split.target_counts.sum()) for name, split in val.items()}
     assert sorted(counts) == ["builtin-sft", "tiny_corpus"]
     for row in validation:

@@ -34,9 +34,10 @@ def write_parquet(path, n_docs, seed=0, words_per_doc=(1, 400)):
 
 def args_for(folder, *flags):
     """A pretraining script's flags, reading --data FOLDER."""
-    parser = common.get_parser("", "runs/x", common.script_presets("ddp_pretrain.py"))
+    parser = common.get_parser("", "runs/x")
     parser.add_argument("--data", nargs="+")
-    return common.finalize_args(parser.parse_args(["--model", "tiny", "--data", str(folder), *map(str, flags)]))
+    argv = ["--model", "tiny", "--data", str(folder), *map(str, flags)]
+    return common.finalize_args(common.parse_args(parser, common.script_presets("ddp_pretrain.py"), argv))
 
 
 def sha256(path):

@@ -393,21 +393,16 @@ def validation_documents(n_documents, val_fraction, seed=0):
 # Process group.
 
 def init_process_group(device):
-    """NCCL on CUDA, gloo on CPU. A plain `python script.py` becomes a process group of one."""
+    """NCCL on CUDA, gloo on CPU. A plain `python script.py` becomes a process group of one, on an in-process store."""
     import datetime
-    import socket
 
     import torch.distributed as dist
 
-    if "MASTER_ADDR" not in os.environ:  # not started by torchrun
-        with socket.socket() as free:
-            free.bind(("127.0.0.1", 0))
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free.getsockname()[1]), RANK="0",
-                              WORLD_SIZE="1")
+    alone = {} if "MASTER_ADDR" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)  # not torchrun
     # A collective that waits longer than this fails instead of hanging (gloo's default is 30 minutes). A dead
     # rank is caught much sooner: torchrun sees the process exit and stops the others within a second or so.
     timeout = datetime.timedelta(minutes=10)
     if device.type == "cuda":
-        dist.init_process_group("nccl", device_id=device, timeout=timeout)
+        dist.init_process_group("nccl", device_id=device, timeout=timeout, **alone)
     else:
-        dist.init_process_group("gloo", timeout=timeout)
+        dist.init_process_group("gloo", timeout=timeout, **alone)

@@ -39,7 +39,7 @@ def complete_checkpoints(checkpoint_root):
 def newest_checkpoint(path):
     """PATH itself if it is a complete checkpoint folder, else the newest one of the run folder PATH, or None."""
     path = Path(path)
-    if (path / "meta.json").is_file() or is_hf_folder(path):
+    if (path / "meta.json").is_file():
         return path
     found = complete_checkpoints(path / "checkpoints")
     return found[-1] if found else None
@@ -73,16 +73,8 @@ def remove_incomplete_checkpoints(checkpoint_root):
 
 
 def read_meta(checkpoint_dir, flag):
-    """The meta.json of a complete checkpoint folder (for an exported folder, what export_hf.py recorded and
-    the preset its shape matches), or a usage error naming `flag`."""
-    if is_hf_folder(checkpoint_dir):
-        export = Path(checkpoint_dir) / "export.json"
-        try:
-            meta = json.loads(export.read_text()) if export.is_file() else {"script": "hf", "step": None, "data": None}
-            return {**meta, "model": hf_preset(checkpoint_dir), "hf": True}
-        except (OSError, ValueError) as error:
-            raise CheckpointError(f"{flag} {checkpoint_dir}: its config.json or export.json cannot be read "
-                                  f"({common.error_reason(error)})") from None
+    """The meta.json of a complete checkpoint folder (or of an export_hf.py folder: its checkpoint's, with "export"),
+    or a usage error naming `flag`."""
     try:
         meta = json.loads((Path(checkpoint_dir) / "meta.json").read_text())
     except (OSError, ValueError):
@@ -175,7 +167,7 @@ def find_init_checkpoint(args, writers):
                                 f"--standalone --nproc_per_node=2 {writers[0]}.py --model {args.model}` first, or pass "
                                 f"a checkpoint folder or a run folder")
     meta = read_meta(checkpoint_dir, "--init-from")
-    writer = "export_hf" if meta.get("hf") else meta["script"]
+    writer = "export_hf" if "export" in meta else meta["script"]
     if writer not in writers:
         raise common.UsageError(f"--init-from {checkpoint_dir} was written by {writer}.py, whose layout this script "
                                 f"does not read: start from a checkpoint of {', '.join(f'{w}.py' for w in writers)}")
@@ -191,17 +183,6 @@ def find_init_checkpoint(args, writers):
 def is_hf_folder(path):
     """A Hugging Face model folder, as export_hf.py writes: config.json beside model.safetensors."""
     return (Path(path) / "config.json").is_file() and (Path(path) / "model.safetensors").is_file()
-
-
-def hf_preset(path):
-    """The preset whose shape an exported folder's config.json has, or a usage error."""
-    config = json.loads((Path(path) / "config.json").read_text())
-    for name, preset in common.MODEL_PRESETS.items():
-        shape = {key: config.get(key) for key in preset["model"]}
-        if config.get("vocab_size") == common.VOCAB_SIZE and shape == preset["model"]:
-            return name
-    raise CheckpointError(f"{path} holds a model of no preset's shape ({', '.join(common.MODEL_PRESETS)}): export "
-                          f"one of these scripts' checkpoints")
 
 
 def hf_state_dict(path):
@@ -243,7 +224,7 @@ def load_checkpoint_model(checkpoint_dir, device="cpu"):
     model = modeling.build_model(meta["model"]).eval()
     state = model.state_dict()
     try:
-        if meta.get("hf"):
+        if "export" in meta:
             state = hf_state_dict(checkpoint_dir)
         elif (Path(checkpoint_dir) / "checkpoint.pt").is_file():
             state = torch.load(Path(checkpoint_dir) / "checkpoint.pt", map_location="cpu", weights_only=True)["model"]

@@ -95,8 +95,11 @@ def export(checkpoint, out_dir):
         file.chmod(0o666 & ~umask)  # model.safetensors comes out 600 (written as a private temporary file)
     why = ("Qwen2 weights as Llama with attention_bias=True and zero o_proj biases (same logits), so that "
            "AutoTokenizer keeps GPT2Tokenizer")
-    export = {"checkpoint": str(checkpoint_dir), "architecture": "LlamaForCausalLM", "why": why, **meta}
-    (partial_dir / "export.json").write_text(json.dumps(export, indent=2))
+    # The checkpoint's meta.json, for this folder: the tools and --init-from read it as a checkpoint's, none resumes it.
+    files = {file.name: file.stat().st_size for file in sorted(partial_dir.iterdir())}
+    export = {"checkpoint": str(checkpoint_dir), "architecture": "LlamaForCausalLM", "why": why}
+    (partial_dir / "meta.json").write_text(json.dumps({**meta, "resumed_by": [], "export": export, "files": files},
+                                                      indent=2))
     if out_dir.exists():
         out_dir.rmdir()  # empty, checked above
     partial_dir.rename(out_dir)

@@ -38,8 +38,8 @@ device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cp
 checkpoint_dir = checkpoints.resolve_checkpoint(args.checkpoint)
 model, meta = checkpoints.load_checkpoint_model(checkpoint_dir, device)
 source = f"{meta['script']}.py, step {meta['step']}"
-if meta.get("hf"):  # export_hf.py's folder records what it was exported from; another Hugging Face folder does not
-    source = "a Hugging Face folder" if meta["script"] == "hf" else f"exported from {source}"
+if "export" in meta:  # an export_hf.py folder: its checkpoint's meta.json, and where it came from
+    source = f"exported from {source}"
 print(f"loaded {checkpoint_dir} ({source}), model '{meta['model']}'", file=sys.stderr)  # stdout: the text alone
 tokenizer = common.get_chat_tokenizer()  # GPT-2 BPE plus the SFT markers, which a pretrained model never saw
 torch.manual_seed(args.seed)

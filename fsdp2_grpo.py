@@ -318,13 +318,12 @@ while step < args.max_steps:
         # a long sample then weighs as much as it would in one big batch. The gradient sync averages over
         # ranks, so we multiply by world_size to turn that average back into the sum.
         model.set_requires_gradient_sync(micro == micro_batches - 1)  # FSDP2's switch for no_sync()
-        # Each reply token's log-probability under the policy being trained (targets: reply tokens), and its advantage.
-        log_probs = -model(input_ids=input_ids.to(device), targets=targets.to(device), reduction="none")
-        token_advantages = row_advantages[:, None].expand_as(targets)[targets != common.IGNORE_INDEX].to(device)
-        # The policy gradient: raise the log-probability of the tokens of replies better than their group's mean, lower
+        # The policy gradient, -(advantage x log-probability) summed over the reply tokens (the targets), each token
+        # weighed by its reply's advantage: raise the log-probability of replies better than their group's mean, lower
         # the others'. On-policy, one optimizer step per batch of rollouts: no importance ratio, clipping or reference
         # model (reusing rollouts for more steps would bring PPO's ratio and clip back).
-        micro_loss_sum = -(token_advantages * log_probs).sum()
+        token_advantages = row_advantages[:, None].expand_as(targets).to(device)
+        micro_loss_sum = model(input_ids=input_ids.to(device), targets=targets.to(device), weights=token_advantages)
         (micro_loss_sum * world_size / target_tokens).backward()
         loss_sum += micro_loss_sum.detach()
     # The norm by hand, then the library clips with it: on CPU, torch's fp32 vector_norm (inside clip_grad_norm_)

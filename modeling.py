@@ -3,7 +3,7 @@ decoder layer, a forward that returns the loss without ever holding a whole batc
 import functools
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from transformers import (
     LogitsProcessor,
     LogitsProcessorList,
@@ -21,25 +21,22 @@ class Qwen2WithChunkedLoss(Qwen2ForCausalLM):
     chunk at a time at the target positions only (never a whole batch's):
 
         model(input_ids=..., targets=...)                    the sum of -log p(target) over the targets
-        model(input_ids=..., targets=..., reduction="none")  -log p(target) of each target, in row-major order
+        model(input_ids=..., targets=..., weights=...)       the sum of weight x -log p(target), a weight per position
         model(input_ids=..., targets=..., position_ids=...)  tokens at the positions given (a piece of each sequence)
         model(input_ids=...)                                 transformers' own forward: logits (generate() uses it)
 
     The loss is computed inside forward so that FSDP's and DDP's hooks around model(...) cover the head as well."""
 
-    def forward(self, input_ids=None, targets=None, reduction="sum", position_ids=None, labels=None, logits_to_keep=0,
+    def forward(self, input_ids=None, targets=None, weights=None, position_ids=None, labels=None, logits_to_keep=0,
                 **kwargs):
         if targets is None:  # labels=: transformers' own loss (full logits), as Trainer and TRL call it
             return super().forward(input_ids=input_ids, position_ids=position_ids, labels=labels,
                                    logits_to_keep=logits_to_keep, **kwargs)
         extra = ["labels"] * (labels is not None) + list(kwargs)  # nothing else may be dropped silently
-        if reduction not in ("sum", "none") or extra:
-            raise ValueError(f"forward with targets takes input_ids, position_ids and reduction ('sum' or 'none') "
-                             f"only, got reduction={reduction!r} and {extra}")
+        if extra:
+            raise ValueError(f"forward with targets takes input_ids, position_ids and weights only, got {extra}")
         hidden = self.model(input_ids=input_ids, position_ids=position_ids).last_hidden_state
-        if reduction == "none":
-            return chunked_token_losses(hidden, self.lm_head.weight, targets)
-        return chunked_cross_entropy(hidden, self.lm_head.weight, targets)
+        return chunked_cross_entropy(hidden, self.lm_head.weight, targets, weights)
 
 
 def build_model(preset, activation_checkpointing="full"):
@@ -92,12 +89,13 @@ LOSS_CHUNK_ROWS = {"cpu": 128, "cuda": 4096}
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
-    """Summed cross-entropy of hidden @ weight.T, one chunk of rows at a time. Each chunk's gradients are
-    computed right away (softmax minus one-hot, two matmuls), so no chunk's logits outlive it and the
-    backward has nothing left to do but scale: the same FLOPs as the plain loss, a fraction of its memory."""
+    """Summed cross-entropy of hidden @ weight.T, each row's weighted by row_weights (None: 1), one chunk of rows at a
+    time. Each chunk's gradients are computed right away (softmax minus one-hot, times the row's weight, then two
+    matmuls), so no chunk's logits outlive it and the backward has nothing left to do but scale: the same FLOPs as the
+    plain loss, a fraction of its memory."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets):
+    def forward(ctx, hidden, weight, targets, row_weights):
         needs_grad = any(ctx.needs_input_grad[:2])
         loss = torch.zeros((), device=hidden.device, dtype=torch.float32)
         grad_hidden = torch.empty_like(hidden) if needs_grad else None
@@ -107,10 +105,14 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             chunk, chunk_targets = hidden[start:start + rows], targets[start:start + rows]
             logits = (chunk @ weight.T).float()  # in the compute dtype (bf16 under mixed precision), then fp32
             log_normalizer = logits.logsumexp(dim=-1)
-            loss += (log_normalizer - logits.gather(1, chunk_targets[:, None]).squeeze(1)).sum()
+            losses = log_normalizer - logits.gather(1, chunk_targets[:, None]).squeeze(1)
+            chunk_weights = None if row_weights is None else row_weights[start:start + rows].float()
+            loss += (losses if chunk_weights is None else chunk_weights * losses).sum()
             if needs_grad:
                 grad_logits = logits.sub_(log_normalizer[:, None]).exp_()  # softmax, in place
                 grad_logits[torch.arange(len(chunk)), chunk_targets] -= 1
+                if chunk_weights is not None:
+                    grad_logits.mul_(chunk_weights[:, None])
                 grad_logits = grad_logits.to(chunk.dtype)
                 grad_hidden[start:start + rows] = grad_logits @ weight
                 grad_weight += grad_logits.T @ chunk
@@ -121,33 +123,19 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_loss, grad_weight * grad_loss, None
+        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None
 
 
-def chunked_cross_entropy(hidden, weight, targets):
-    """Sum of -log p(target) over the positions whose target is not IGNORE_INDEX. Logits are made only at those
-    positions (padding, and prompts in SFT, cost nothing in the head) and a chunk at a time. Always eager: --compile
-    compiles the decoder layers only, and this has data-dependent shapes (which positions are targets)."""
+def chunked_cross_entropy(hidden, weight, targets, weights=None):
+    """Sum of -log p(target) over the positions whose target is not IGNORE_INDEX, each times its weight where weights
+    (the targets' shape: a reply's advantage, say) are given. Logits are made only at those positions (padding, and
+    prompts in SFT, cost nothing in the head) and a chunk at a time. Always eager: --compile compiles the decoder layers
+    only, and this has data-dependent shapes (which positions are targets)."""
     if not torch.is_grad_enabled():  # evaluation: apply() would see the weight's requires_grad and make its gradient
         hidden, weight = hidden.detach(), weight.detach()
     is_target = targets != IGNORE_INDEX
-    return ChunkedCrossEntropy.apply(hidden[is_target], weight, targets[is_target])
-
-
-def chunked_token_losses(hidden, weight, targets):
-    """-log p(target) at each position whose target is not IGNORE_INDEX, in row-major order: a loss per token, for a
-    caller that weighs them (GRPO). Logits are made a chunk at a time and recomputed in backward (torch's checkpoint),
-    since a weighted backward cannot be worked out in the forward as the summed loss's is: one more head matmul."""
-    is_target = targets != IGNORE_INDEX
-    hidden, targets = hidden[is_target], targets[is_target]
-    rows = LOSS_CHUNK_ROWS.get(hidden.device.type, 4096)
-    # At least one chunk, though it be empty: a rank with no targets still gives every parameter a (zero) gradient.
-    return torch.cat([checkpoint(token_losses, hidden[start:start + rows], weight, targets[start:start + rows],
-                                 use_reentrant=False) for start in range(0, max(1, len(hidden)), rows)])
-
-
-def token_losses(hidden, weight, targets):
-    return torch.nn.functional.cross_entropy((hidden @ weight.T).float(), targets, reduction="none")
+    row_weights = None if weights is None else weights[is_target]
+    return ChunkedCrossEntropy.apply(hidden[is_target], weight, targets[is_target], row_weights)
 
 
 def count_parameters(model):

@@ -82,29 +82,30 @@ def test_chunked_loss_equals_the_plain_loss_and_its_gradients():
         torch.testing.assert_close(model(input_ids=input_ids, targets=targets), plain.detach(), rtol=1e-5, atol=1e-5)
 
 
-def test_per_token_losses_are_the_plain_ones_and_a_weighted_sum_has_the_plain_gradients():
-    """reduction="none": each target's -log p, in row-major order (GRPO weighs them by their reply's advantage); the
-    gradient of any weighted sum is the plain one, though each chunk's logits are recomputed in backward."""
+def test_a_weighted_loss_is_the_plain_weighted_sum_with_its_gradients():
+    """weights=: each target's -log p times its weight (GRPO: its reply's advantage), summed; its gradients are the
+    plain weighted sum's, worked out in the forward as the unweighted loss's are."""
     torch.manual_seed(0)
     model = modeling.build_model("tiny").train()
     input_ids, targets = torch.randint(0, 50_257, (3, 150)), torch.randint(0, 50_257, (3, 150))
     targets[:, :30] = common.IGNORE_INDEX  # a prompt
     targets[2, 120:] = common.IGNORE_INDEX  # padding
     row_weights = torch.tensor([0.75, -0.25, -0.5])  # an advantage per row
-    losses = model(input_ids=input_ids, targets=targets, reduction="none")
-    (row_weights[:, None].expand_as(targets)[targets != common.IGNORE_INDEX] * losses).sum().backward()
+    weighted = model(input_ids=input_ids, targets=targets, weights=row_weights[:, None].expand_as(targets))
+    weighted.backward()
     chunked_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     logits = model(input_ids=input_ids).logits
     plain = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(3, 150)
     (row_weights[:, None] * plain).sum().backward()
-    torch.testing.assert_close(losses, plain[targets != common.IGNORE_INDEX], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(weighted, (row_weights[:, None] * plain).sum().detach(), rtol=1e-5, atol=1e-5)
     for a, b in zip(chunked_grads, [p.grad for p in model.parameters()]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     model.zero_grad()
-    no_targets = model(input_ids=input_ids, targets=torch.full_like(targets, common.IGNORE_INDEX), reduction="none")
-    no_targets.sum().backward()  # a rank with nothing to learn still gives every parameter a gradient: zero
-    assert no_targets.shape == (0,) and all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    no_targets = torch.full_like(targets, common.IGNORE_INDEX)
+    nothing = model(input_ids=input_ids, targets=no_targets, weights=row_weights[:, None].expand_as(targets))
+    nothing.backward()  # a rank with nothing to learn still gives every parameter a gradient: zero
+    assert nothing == 0 and all(p.grad is not None and not p.grad.any() for p in model.parameters())
 
 
 def test_selective_checkpointing_recomputes_no_matmul_and_gives_the_same_gradients():

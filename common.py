@@ -205,8 +205,7 @@ def get_parser(description, default_out_dir):
     add("--min-lr-ratio", type=number(float, at_least=0, at_most=1), default=0.1,
         help="the schedule decays to lr * this")
     add("--lr-schedule", choices=["cosine", "wsd"], default="cosine", help="after the warmup: cosine decay over the "
-        "whole run, or warmup-stable-decay (held at --lr, then decayed over the last --decay-fraction of the steps: "
-        "what continued training uses, as the run's end need not be known when it starts)")
+        "whole run, or warmup-stable-decay (held at --lr, then decayed over the last --decay-fraction of the steps)")
     add("--decay-fraction", type=number(float, above=0, at_most=1), default=0.2,
         help="wsd: the share of the steps that decays")
     add("--decay-shape", choices=["linear", "1-sqrt"], default="1-sqrt",
@@ -231,10 +230,9 @@ def get_parser(description, default_out_dir):
     add("--dtype", choices=["bf16", "fp32"], default=None, help="compute dtype (default: bf16 on CUDA, fp32 on CPU)")
     add("--compile", action="store_true", help="torch.compile each decoder layer with static shapes: all layers share "
         "one graph per bucket length for training and one for evaluation")
-    add("--activation-checkpointing", choices=["full", "selective"], default="full",
-        help="full: keep only each decoder layer's input and recompute the layer in backward (least memory); "
-        "selective: also keep the outputs of its matmuls and attention, recompute only the element-wise ops "
-        "(more memory; no matmul runs twice, about a quarter less compute)")
+    add("--activation-checkpointing", choices=["full", "selective"], default="full", help="full: recompute each "
+        "decoder layer in backward (least memory); selective: keep its matmuls' and attention's outputs, recompute the "
+        "element-wise ops (more memory, about a quarter less compute)")
     return parser
 
 

@@ -41,12 +41,8 @@ class Qwen2WithChunkedLoss(Qwen2ForCausalLM):
 
 def build_model(preset, activation_checkpointing="full"):
     """A Qwen2WithChunkedLoss with the GPT-2 vocabulary and activation checkpointing on, "full" or "selective" (see
-    SELECTIVE_CHECKPOINT_SAVES).
-
-    Init: transformers' own Qwen2 init, normal(0, 0.02) for every matrix and zero biases, the scheme the
-    released Qwen2 models use. With tied embeddings of that size the first logits are near zero, so
-    the first loss sits at ln(50,304) = 10.83: a free sanity check of the whole pipeline.
-    """
+    SELECTIVE_CHECKPOINT_SAVES). transformers' own init, normal(0, 0.02) for every matrix and zero biases, as the
+    released Qwen2 models: the first logits are near zero, so the first loss sits at ln(50,304) = 10.83."""
     config = Qwen2Config(
         vocab_size=VOCAB_SIZE, **MODEL_PRESETS[preset]["model"],
         max_position_embeddings=32_768, rope_parameters={"rope_type": "default",

@@ -121,7 +121,8 @@ if args.compile:
 
 # ---------------------------------------------------------------------------------------------- wrap
 # bf16: compute on bf16 copies of the gathered parameters; reduce gradients and keep the shards in fp32.
-mixed_precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+# Inputs keep their dtypes (the layers' are bf16 already): the advantages, passed as weights=, stay fp32.
+mixed_precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
 for layer in model.model.layers:  # one unit per decoder layer: only one layer is ever gathered at a time
     fully_shard(layer, mp_policy=mixed_precision, reshard_after_forward=args.reshard_after_forward)
 fully_shard(model, mp_policy=mixed_precision)  # the root: embedding, tied head, final norm; default mesh: all ranks

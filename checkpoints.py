@@ -110,6 +110,9 @@ def find_resume_checkpoint(args, checkpoint_root, script):
     else:
         checkpoint_dir = Path(args.resume)
     meta = read_meta(checkpoint_dir, "--resume")
+    if "export" in meta:
+        raise common.UsageError(f"--resume {checkpoint_dir} is an export_hf.py folder, which no script resumes: pass "
+                                f"a checkpoint folder, or the folder to --init-from")
     resumed_by = meta.get("resumed_by", [meta["script"]])  # as its writer named them (older checkpoints: itself)
     if script not in resumed_by:
         raise common.UsageError(f"--resume {checkpoint_dir} was written by {meta['script']}.py, not {script}.py: "
@@ -169,8 +172,8 @@ def find_init_checkpoint(args, writers):
     meta = read_meta(checkpoint_dir, "--init-from")
     writer = "export_hf" if "export" in meta else meta["script"]
     if writer not in writers:
-        raise common.UsageError(f"--init-from {checkpoint_dir} was written by {writer}.py, whose layout this script "
-                                f"does not read: start from a checkpoint of {', '.join(f'{w}.py' for w in writers)}")
+        raise common.UsageError(f"--init-from {checkpoint_dir} was written by {writer}.py, whose checkpoints this "
+                                f"script does not start from: pass one of {', '.join(f'{w}.py' for w in writers)}")
     if meta["model"] != args.model:
         raise common.UsageError(f"--init-from {checkpoint_dir} holds a '{meta['model']}' model: pass --model "
                                 f"{meta['model']}, or another --init-from")
@@ -213,6 +216,7 @@ def load_checkpoint_model(checkpoint_dir, device="cpu"):
     process and with no process group: DCP reads sharded checkpoints into whole tensors by itself. The layout is told
     by the files:
 
+        "export" in meta its model.safetensors             (an export_hf.py folder)
         checkpoint.pt    its "model" entry                 (torch.save by rank 0: DDP)
         model/           the whole folder                  (DCP, model saved apart from the optimizer: FSDP2)
         otherwise        the app state's "model" entry     (DCP, one Stateful app state: FSDP1)

@@ -191,7 +191,7 @@ def script_presets(script):
 
 def get_parser(description, default_out_dir):
     """The parser of a training script, with the flags they share (each script adds its own --data and --init-from);
-    parse_args fills the flags whose default is None from the script's PRESETS."""
+    parse_args sets the defaults the script's PRESETS give the --model preset (those left None here among them)."""
     parser = ArgumentParser(description, add_help=False)  # --help comes last, once the preset's values are in
     add = parser.add_argument
     add("--model", default="small", choices=list(MODEL_PRESETS), help="model preset: its shape, and the training "

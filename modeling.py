@@ -29,10 +29,11 @@ class Qwen2WithChunkedLoss(Qwen2ForCausalLM):
 
     def forward(self, input_ids=None, targets=None, weights=None, position_ids=None, labels=None, logits_to_keep=0,
                 **kwargs):
-        if targets is None:  # labels=: transformers' own loss (full logits), as Trainer and TRL call it
+        if targets is None and weights is None:  # labels=: transformers' own loss (full logits), as Trainer and TRL use
             return super().forward(input_ids=input_ids, position_ids=position_ids, labels=labels,
                                    logits_to_keep=logits_to_keep, **kwargs)
         extra = ["labels"] * (labels is not None) + list(kwargs)  # nothing else may be dropped silently
+        extra += ["weights without targets"] * (targets is None)
         if extra:
             raise ValueError(f"forward with targets takes input_ids, position_ids and weights only, got {extra}")
         hidden = self.model(input_ids=input_ids, position_ids=position_ids).last_hidden_state

@@ -83,7 +83,7 @@ BAD_INPUTS = {  # case: (script, flags, ranks, words the error line must hold: t
          ["--replay", "pretraining text"]),
     "init-from another strategy's checkpoint":
         ("fsdp2_pretrain.py", ["--model", "tiny", "--init-from", "{tmp}/ddp"], 1,
-         ["--init-from", "ddp_pretrain.py", "start from a checkpoint of fsdp2_pretrain.py"]),
+         ["--init-from", "ddp_pretrain.py", "pass one of fsdp2_pretrain.py"]),
     "init-from another model size":
         ("ddp_pretrain.py", ["--model", "small", "--init-from", "{tmp}/ddp"], 1, ["--init-from", "'tiny'", "--model"]),
     "unknown model preset": ("ddp_pretrain.py", ["--model", "huge"], 1, ["--model", "huge"]),

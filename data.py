@@ -11,7 +11,6 @@ import numpy as np
 import torch
 
 import common
-import tasks
 
 PREPARED_FORMAT, PREPARED_VERSION = "llm-reference-tokens", 1
 
@@ -201,23 +200,6 @@ def load_sft_data(args):
 
     has_targets = target_counts > 0
     return split(~is_val & has_targets), {source_names([args.data])[0]: split(is_val & has_targets)}
-
-
-def answer_prompts(tokenizer, split, limit, reward):
-    """Up to `limit` (prompt, reference answer) pairs of a split: the prompt is a conversation up to and with
-    its last <|assistant|> marker; the answer is the reference reply's, as tasks.reply_answer reads it with
-    `reward` (exact-text: the text between the solution markers). Conversations whose reply has none are left out.
-    Also returns a reply-length bound."""
-    prompts, answers, longest = [], [], 0
-    for i in range(min(limit, len(split.lengths))):
-        tokens = sample_tokens(split, i)
-        start = len(tokens) - list(tokens[::-1]).index(common.SPECIAL_TOKENS[common.ROLE_MARKERS["assistant"]])
-        answer = tasks.reply_answer(tokenizer, tokens[start:], reward)
-        if answer is not None:
-            prompts.append(tokens[:start].tolist())
-            answers.append(answer)
-            longest = max(longest, len(tokens) - start)
-    return prompts, answers, longest + 16
 
 
 # ----------------------------------------------------------------------------------------------

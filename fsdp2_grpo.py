@@ -91,7 +91,7 @@ train, val = data.load_sft_data(args)
 data_order = data.data_order(args, train, val, world_size, [args.prompts_per_step], ["prompts_per_step"])
 checkpoints.check_resume(resume_dir, args, data_order)  # --resume: the same data order; says which other flags changed
 # A prompt is a conversation up to its last <|assistant|>; its answer, the reference reply's as --reward reads it.
-train_prompts, train_answers, _ = data.answer_prompts(tokenizer, train, len(train.lengths), args.reward)
+train_prompts, train_answers, _ = tasks.answer_prompts(tokenizer, train, len(train.lengths), args.reward)
 if not train_prompts:
     where = "between <|begin_of_solution|> and <|end_of_solution|>" + ", or a number" * (args.reward == "final-number")
     raise common.UsageError(f"--reward {args.reward} finds no answer in any reference reply of --data {args.data} "
@@ -195,7 +195,7 @@ def prompt_schedule(epoch):  # all prompts as one bucket of length 1: a step tak
 # ---------------------------------------------------------------------------------------------- evaluation
 val_schedules = {name: make_schedule(split, 0, 1, "ascending") for name, split in val.items()}
 # Answer accuracy: greedy replies to held-out prompts, checked against the reference as the reward checks them.
-val_prompts, val_answers, _ = data.answer_prompts(tokenizer, next(iter(val.values())), args.eval_generate,
+val_prompts, val_answers, _ = tasks.answer_prompts(tokenizer, next(iter(val.values())), args.eval_generate,
                                                   args.reward)
 # A reply may be as long as a rollout's: the bucket less the prompt (a bare reference answer says nothing of it).
 max_reply_tokens = args.buckets[-1] - max(map(len, val_prompts), default=0)

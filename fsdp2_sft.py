@@ -192,7 +192,7 @@ def make_schedule(split, epoch, grad_accum, order):  # a split's epoch (a mixtur
 val_schedules = {name: make_schedule(split, 0, 1, "ascending") for name, split in val.items()}
 # Answer accuracy: greedy replies to held-out prompts (the first validation split's: the conversations'), compared
 # with the reference between the solution markers.
-val_prompts, val_answers, max_reply_tokens = data.answer_prompts(tokenizer, next(iter(val.values())),
+val_prompts, val_answers, max_reply_tokens = tasks.answer_prompts(tokenizer, next(iter(val.values())),
                                                                  args.eval_generate, "exact-text")
 
 

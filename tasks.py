@@ -14,6 +14,7 @@ import random
 import re
 
 import common
+import data
 
 REWARDS = ["final-number", "exact-text"]  # GRPO's --reward: how a reply is checked against the reference
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")  # 72, -3, 1,000, 2.5
@@ -42,6 +43,23 @@ def solution_text(tokenizer, token_ids):
         return None
     start = token_ids.index(begin) + 1
     return common.decode(tokenizer, token_ids[start:token_ids.index(end, start)]).strip()
+
+
+def answer_prompts(tokenizer, split, limit, reward):
+    """Up to `limit` (prompt, reference answer) pairs of a split: the prompt is a conversation up to and with
+    its last <|assistant|> marker; the answer is the reference reply's, as reply_answer reads it with
+    `reward` (exact-text: the text between the solution markers). Conversations whose reply has none are left out.
+    Also returns a reply-length bound."""
+    prompts, answers, longest = [], [], 0
+    for i in range(min(limit, len(split.lengths))):
+        tokens = data.sample_tokens(split, i)
+        start = len(tokens) - list(tokens[::-1]).index(common.SPECIAL_TOKENS[common.ROLE_MARKERS["assistant"]])
+        answer = reply_answer(tokenizer, tokens[start:], reward)
+        if answer is not None:
+            prompts.append(tokens[:start].tolist())
+            answers.append(answer)
+            longest = max(longest, len(tokens) - start)
+    return prompts, answers, longest + 16
 
 
 # ----------------------------------------------------------------------------------------------

@@ -111,7 +111,7 @@ def training_prompts(bucket_len):
     argv = [str(flag) for flag in grpo_flags(bucket_len)]
     args = common.finalize_args(common.parse_args(parser, common.script_presets("fsdp2_grpo.py"), argv))
     train, _ = data.load_sft_data(args)
-    prompts, answers, _ = data.answer_prompts(chat_tokenizer, train, len(train.lengths), args.reward)
+    prompts, answers, _ = tasks.answer_prompts(chat_tokenizer, train, len(train.lengths), args.reward)
     return args, prompts, answers
 
 

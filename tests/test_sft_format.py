@@ -146,7 +146,7 @@ def test_answer_only_rows_give_prompts_and_answers_under_each_reward(tmp_path, t
     found = {}
     for reward in tasks.REWARDS:
         pairs = [pair for split in [splits[0], *splits[1].values()]
-                 for pair in zip(*data.answer_prompts(tokenizer, split, 10, reward)[:2])]
+                 for pair in zip(*tasks.answer_prompts(tokenizer, split, 10, reward)[:2])]
         found[reward] = {tokenizer.decode(prompt): answer for prompt, answer in pairs}
     user = "<|system|>Be brief.<|end_of_turn|><|user|>What is 2 + 2?<|end_of_turn|><|assistant|>"
     assert found["exact-text"] == {user: "4", "<|user|>Tom has 3 apples and buys 4. How many now?<|end_of_turn|>"

@@ -91,11 +91,11 @@ if args.compile:
         layer.compile(dynamic=False)  # in place (state_dict keys unchanged); static shapes: each bucket its own kernels
 
 # ---------------------------------------------------------------------------------------------- wrap
+# bf16: compute on bf16 copies of the gathered parameters; reduce gradients and keep the shards in fp32.
 model = FSDP(
     model,
     # One unit per decoder layer (only one layer is ever gathered); embedding, tied head and final norm in the root.
     auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Qwen2DecoderLayer}),
-    # bf16: compute on bf16 copies of the gathered parameters; reduce gradients and keep the shards in fp32.
     mixed_precision=MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32),
     device_id=device,  # each unit moves to the device as it is sharded (torch.device("cpu") works too)
     use_orig_params=True,  # parameters keep their names and shapes: per-parameter weight decay, compile

@@ -273,7 +273,7 @@ while step < args.max_steps:
         schedule = prompt_schedule(data_position["epoch"])
     _, step_prompts = schedule[data_position["index"]]  # the step's prompts, all ranks'
     data_position = {**data_position, "index": data_position["index"] + 1}
-    metrics.reset_peak_memory(device)  # each row's peak is its own step's, so per bucket
+    metrics.reset_peak_memory(device)  # on CUDA each row's peak is its own step's, so per bucket
     step_start = time.perf_counter()
 
     # Rollout: group_size replies to each of this rank's prompts, sampled from the current policy (temperature 1, no

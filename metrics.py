@@ -6,7 +6,6 @@ import os
 import resource
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -30,31 +29,20 @@ def device_peak_flops(device):
 
 
 def reset_peak_memory(device):
-    """Start a new peak for peak_memory_gb: each step's row then shows that step's (and so its bucket's) peak."""
+    """Start a new CUDA peak, so that each step's row shows its own (and its bucket's); a CPU's is the run's so far."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    elif os.path.exists("/proc/self/clear_refs"):
-        try:
-            with open("/proc/self/clear_refs", "w") as clear_refs:
-                clear_refs.write("5")  # Linux: the peak resident set size (VmHWM) restarts from the current one
-        except OSError:  # a sandbox may forbid it (warned once per process)
-            warnings.warn("cannot reset the peak resident set size (/proc/self/clear_refs): "
-                          "peak_mem_gb is the peak of the run so far")
 
 
 def peak_memory_gb(device):
     """Peak memory since the last reset: CUDA allocator peak, or on CPU the process's peak resident set size."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1e9
-    if os.path.exists("/proc/self/status"):  # Linux: VmHWM honours the reset above, getrusage's ru_maxrss does not
-        with open("/proc/self/status") as status:
-            return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) * 1024 / 1e9  # KiB
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e9  # elsewhere (macOS): bytes, peak of the whole run
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024) / 1e9
 
 
 def peak_reserved_memory_gb(device):
-    """Peak memory the CUDA allocator held since the last reset: peak_memory_gb plus its cache and fragmentation,
-    what runs out first and what expandable_segments lowers. None on CPU, where peak_memory_gb counts what is held."""
+    """The CUDA allocator's peak held memory: peak_memory_gb plus its cache and fragmentation (None on CPU)."""
     return torch.cuda.max_memory_reserved(device) / 1e9 if device.type == "cuda" else None
 
 

@@ -264,7 +264,7 @@ while step < args.max_steps:
     batch_size = data.bucket_batch_size(args.tokens_per_batch, bucket_len)
     tokens = int(train.lengths[step_samples].sum())
     target_tokens = int(train.target_counts[step_samples].sum())  # positions with a loss, all ranks
-    metrics.reset_peak_memory(device)  # each row's peak is its own step's, so per bucket
+    metrics.reset_peak_memory(device)  # on CUDA each row's peak is its own step's, so per bucket
     step_start = time.perf_counter()
 
     # Divide by the target tokens of the WHOLE step (all pipelines, all micro-batches), as ddp_pretrain.py does: the

@@ -9,7 +9,6 @@ import ast
 import functools
 import json
 import math
-import operator
 import os
 import sys
 import time
@@ -111,23 +110,20 @@ MODEL_PRESETS = {
 # ----------------------------------------------------------------------------------------------
 # Command line: one parser for every script, so a flag means the same everywhere, and --help shows what a run uses.
 
-def number(kind, at_least=None, above=None, at_most=None, below=None):
-    """An argparse type: a finite `kind` (int or float) within the bounds given, else one error line naming the flag."""
+def number(kind, low, high=math.inf):
+    """An argparse type: a finite `kind` (int or float) from low to high, else one error line naming the flag."""
     def parse(text):
         value = kind(text)  # not a number: argparse says "invalid int value", from this function's name
-        if not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
-        for bound, fails, words in ((at_least, operator.lt, "at least"), (above, operator.le, "above"),
-                                    (at_most, operator.gt, "at most"), (below, operator.ge, "below")):
-            if bound is not None and fails(value, bound):
-                raise argparse.ArgumentTypeError(f"must be {words} {bound}, got {text}")
+        if not (math.isfinite(value) and low <= value <= high):
+            at_most = f" and at most {high}" if high < math.inf else ""
+            raise argparse.ArgumentTypeError(f"must be at least {low}{at_most}, got {text}")
         return value
 
     parse.__name__ = kind.__name__
     return parse
 
 
-COUNT, NON_NEGATIVE_INT, NON_NEGATIVE = number(int, at_least=1), number(int, at_least=0), number(float, at_least=0)
+COUNT, NON_NEGATIVE_INT, NON_NEGATIVE = number(int, 1), number(int, 0), number(float, 0)
 
 
 def boolean(text):
@@ -151,8 +147,7 @@ def bucket_lengths(text):
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The docstring's commands keep their lines; every flag shows its default, but None (its help says what none
-    means)."""
+    """The docstring's commands keep their lines; each flag shows its default, unless None (its help says why)."""
 
     def _get_help_string(self, action):
         return action.help if action.default is None else super()._get_help_string(action)
@@ -194,45 +189,36 @@ def get_parser(description, default_out_dir):
     parse_args sets the defaults the script's PRESETS give the --model preset (those left None here among them)."""
     parser = ArgumentParser(description, add_help=False)  # --help comes last, once the preset's values are in
     add = parser.add_argument
-    add("--model", default="small", choices=list(MODEL_PRESETS), help="model preset: its shape, and the training "
-        "defaults of the script's PRESETS (`--model M --help` shows M's)")
-    add("--val-fraction", type=number(float, above=0, below=1), default=0.05,
-        help="share of each source's documents (conversations, problems) held out for validation, at most 500")
+    add("--model", default="small", choices=list(MODEL_PRESETS), help="model preset: its shape, and the script's "
+        "PRESETS defaults for it (`--model M --help` shows M's)")
+    add("--val-fraction", type=number(float, 0, 1), default=0.05, help="share of each source's documents held out "
+        "for validation, at most 500")
     add("--buckets", type=bucket_lengths, default=None, help="comma-separated bucket max lengths in tokens")
-    add("--tokens-per-batch", type=COUNT, default=None,
-        help="tokens per micro-batch per rank; a bucket's batch size is this // its length")
+    add("--tokens-per-batch", type=COUNT, default=None, help="tokens per micro-batch per rank (batch: this // length)")
     add("--lr", type=NON_NEGATIVE, default=None, help="peak learning rate")
-    add("--min-lr-ratio", type=number(float, at_least=0, at_most=1), default=0.1,
-        help="the schedule decays to lr * this")
-    add("--lr-schedule", choices=["cosine", "wsd"], default="cosine", help="after the warmup: cosine decay over the "
-        "whole run, or warmup-stable-decay (held at --lr, then decayed over the last --decay-fraction of the steps)")
-    add("--decay-fraction", type=number(float, above=0, at_most=1), default=0.2,
-        help="wsd: the share of the steps that decays")
-    add("--decay-shape", choices=["linear", "1-sqrt"], default="1-sqrt",
-        help="wsd: the decay's shape, lr x (1 - t) or lr x (1 - sqrt(t)) for t from 0 to 1 (Hägele et al., 2024)")
+    add("--min-lr-ratio", type=number(float, 0, 1), default=0.1, help="the schedule decays to lr * this")
+    add("--lr-schedule", choices=["cosine", "wsd"], default="cosine", help="after the warmup: cosine decay, or "
+        "warmup-stable-decay (--lr held, then decayed over the last --decay-fraction of the steps)")
+    add("--decay-fraction", type=number(float, 0, 1), default=0.2, help="wsd: the share of the steps that decays")
+    add("--decay-shape", choices=["linear", "1-sqrt"], default="1-sqrt", help="wsd: lr x (1 - t) or lr x (1 - sqrt(t))")
     add("--warmup-steps", type=NON_NEGATIVE_INT, default=None, help="linear warmup steps")
     length = parser.add_mutually_exclusive_group()  # the run's length: in steps or in tokens, not both
     length.add_argument("--max-steps", type=COUNT, default=None, help="optimizer steps in the whole run")
-    length.add_argument("--max-tokens", type=COUNT, default=None, help="the run's length in tokens instead of steps: "
-                        "steps = this / tokens per step, shown at start (default: none, --max-steps sets the length)")
+    length.add_argument("--max-tokens", type=COUNT, default=None, help="the run's length in tokens instead of steps (default: none)")
     add("--weight-decay", type=NON_NEGATIVE, default=0.1, help="AdamW weight decay, on matrices only")
     add("--grad-clip", type=NON_NEGATIVE, default=1.0, help="clip the global gradient norm to this (0 = off)")
-    add("--eval-every", type=COUNT, default=None,
-        help="evaluate on the validation split every N steps, at step 0 and at the end")
+    add("--eval-every", type=COUNT, default=None, help="evaluate every N steps, at step 0 and at the end")
     add("--save-every", type=COUNT, default=None, help="write a checkpoint every N steps and at the end")
     add("--keep-last", type=COUNT, default=2, help="keep this many newest checkpoints, delete older ones")
     add("--log-every", type=COUNT, default=1, help="write a metrics row every N steps")
     add("--out-dir", default=default_out_dir, help="metrics, TensorBoard events and checkpoints go here")
     add("--resume", nargs="?", const="latest", default=None, help="continue from the newest complete checkpoint in "
         "--out-dir, or from the checkpoint folder given (default: a fresh run)")
-    add("--seed", type=NON_NEGATIVE_INT, default=1337, help="seeds the model's init (when not started from a "
-        "checkpoint), the data order and any sampling")
+    add("--seed", type=NON_NEGATIVE_INT, default=1337, help="seeds the model's init, the data order and any sampling")
     add("--dtype", choices=["bf16", "fp32"], default=None, help="compute dtype (default: bf16 on CUDA, fp32 on CPU)")
-    add("--compile", action="store_true", help="torch.compile each decoder layer with static shapes: all layers share "
-        "one graph per bucket length for training and one for evaluation")
+    add("--compile", action="store_true", help="torch.compile each decoder layer, one graph per bucket length")
     add("--activation-checkpointing", choices=["full", "selective"], default="full", help="full: recompute each "
-        "decoder layer in backward (least memory); selective: keep its matmuls' and attention's outputs, recompute the "
-        "element-wise ops (more memory, about a quarter less compute)")
+        "decoder layer in backward; selective: keep its matmuls' and attention's outputs (more memory, less compute)")
     return parser
 
 

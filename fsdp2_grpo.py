@@ -63,7 +63,7 @@ parser.add_argument("--reshard-after-forward", type=common.boolean, default=True
                     "parameters are freed after forward, gathered again in backward (ZeRO-3); false: kept (ZeRO-2)")
 parser.add_argument("--eval-generate", type=common.NON_NEGATIVE_INT, default=None,
                     help="held-out problems answered by greedy generation at each evaluation (answer accuracy)")
-parser.add_argument("--group-size", type=common.number(int, at_least=2), default=8, help="replies sampled per prompt "
+parser.add_argument("--group-size", type=common.number(int, 2), default=8, help="replies sampled per prompt "
                     "and rewarded against each other (a lone reply has no group: its advantage is always 0)")
 parser.add_argument("--prompts-per-step", type=common.COUNT, default=None, help="prompts per rank per optimizer step")
 parser.add_argument("--reward", choices=tasks.REWARDS, default="exact-text", help="a reply's answer, compared with "

@@ -65,7 +65,7 @@ parser.add_argument("--init-from", default="runs/fsdp2_sft",
 parser.add_argument("--steps", type=common.COUNT, default=10, help="optimizer steps of each tool")
 parser.add_argument("--skip", type=common.COUNT, default=1,
                     help="warm-up steps left out of the speed figures (at least 1: the clock starts at its end)")
-parser.add_argument("--group-size", type=common.number(int, at_least=2), default=8, help="replies per prompt")
+parser.add_argument("--group-size", type=common.number(int, 2), default=8, help="replies per prompt")
 parser.add_argument("--prompts-per-step", type=common.COUNT, default=4, help="prompts per optimizer step")
 parser.add_argument("--max-reply-tokens", type=common.COUNT, default=74,
                     help="reply-length bound: the bucket is the longest training prompt plus this (74: the small "

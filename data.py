@@ -73,28 +73,24 @@ class Corpus(NamedTuple):
 
 
 def open_prepared(folder, conversations=False, flag="--data"):
-    """Memory-map a folder written by prepare_data.py, after checking it is complete and made by this format and
-    tokenizer. Text or conversations (prepare_data.py --sft, with their loss mask); conversations=True: only these."""
+    """Memory-map a folder of prepare_data.py, once checked whole and of this format and tokenizer; text, or
+    conversations (prepare_data.py --sft: with their loss mask; conversations=True: only these)."""
     path = Path(folder).expanduser()
     try:
         meta = json.loads((path / "meta.json").read_text())
-        format_found = (meta.get("format"), meta.get("version"))
-    except (OSError, ValueError, AttributeError):
+        chat_format = meta["kind"] == "sft"
+        made_here = [meta["format"], meta["version"], meta["tokenizer"]]
+    except (OSError, ValueError, KeyError, TypeError):
         raise common.UsageError(f"{flag} {folder} is no complete folder written by prepare_data.py: prepare it first "
                                 f"(`python prepare_data.py` writes the built-in sets into data/, `python "
                                 f"prepare_data.py{' --sft' if conversations else ''} --data SOURCE --out-dir FOLDER` "
                                 f"any other)") from None
-    if format_found != (PREPARED_FORMAT, PREPARED_VERSION):
-        raise common.UsageError(f"{flag} {folder} was prepared in format {format_found}, these scripts read "
-                                f"{(PREPARED_FORMAT, PREPARED_VERSION)}: prepare it again with this prepare_data.py")
-    chat_format = meta["kind"] == "sft"
+    if made_here != [PREPARED_FORMAT, PREPARED_VERSION, tokenizer_identity(chat_format)]:
+        raise common.UsageError(f"{flag} {folder} was prepared in another format or with another tokenizer: prepare it "
+                                f"again with this prepare_data.py")
     if conversations and not chat_format:
         raise common.UsageError(f"{flag} {folder} holds text, this script trains on conversations: prepare_data.py "
                                 f"--sft writes them")
-    if meta["tokenizer"] != tokenizer_identity(chat_format):
-        raise common.UsageError(f"{flag} {folder} was tokenized with another tokenizer "
-                                f"({meta['tokenizer'].get('name')}, other BPE files or markers): prepare it again with "
-                                f"this prepare_data.py")
     for name, file in meta["files"].items():
         if not (path / name).is_file() or (path / name).stat().st_size != file["bytes"]:
             raise common.UsageError(f"{flag} {folder} is damaged: {name} is not the {file['bytes']} bytes written: "
@@ -146,9 +142,8 @@ def document_samples(corpus, documents, max_len):
 
 
 def load_pretraining_data(args):
-    """The training Split of --data's sources, each a share of an epoch's tokens if weights are given, and each
-    source's validation Split, by name: samples at most the largest bucket long. A folder of conversations is read
-    as text in the chat format, every token a target (midtraining)."""
+    """The training Split of --data's sources (a mixture if weights are given) and each source's validation Split, by
+    name. A folder of conversations is read as text in the chat format, every token a target (midtraining)."""
     sources = parse_sources(args.data)
     train, val = [], {}
     for (source, _), name in zip(sources, source_names([source for source, _ in sources])):
@@ -231,10 +226,9 @@ class Schedule:
 
 
 def epoch_samples(split, seed, epoch):
-    """The samples of an epoch: each once; or, for a mixture, each source's share of the epoch's tokens (the epoch
-    as many tokens as all sources hold). A source is read in passes, each in an order of its own: its epoch e takes
-    the samples whose tokens begin in [e x quota, (e + 1) x quota) of its passes laid end to end, so a source smaller
-    than its quota repeats, a larger one is read on over the next epochs: a pure function of (seed, epoch)."""
+    """The samples of an epoch: each once; or, for a mixture, each source's share of the epoch's tokens. A source is
+    read in passes, each shuffled anew, laid end to end: epoch e takes the samples that begin in its e-th quota of
+    tokens, so a small source repeats and a large one is read on over the next epochs."""
     if split.shares is None:
         return np.arange(len(split.lengths))
     chosen = []
@@ -250,13 +244,9 @@ def epoch_samples(split, seed, epoch):
 
 def epoch_schedule(lengths, buckets, tokens_per_batch, world_size, grad_accum, seed, epoch, order="shuffled",
                    samples=None):
-    """The optimizer steps of one epoch: a pure function of its arguments, identical on every rank.
-
-    Each bucket's samples in a random order, cut into steps of (its batch size x grad_accum x world_size) samples;
-    each sample appears exactly once (samples: the epoch's, when not every one once: epoch_samples). A bucket's last
-    step may be short: its missing rows become padding, so that every rank runs the same number of steps. Then the
-    steps are shuffled (or kept short buckets first).
-    """
+    """The optimizer steps of one epoch, identical on every rank: each bucket's samples (of `samples`, default all)
+    shuffled and cut into steps of batch size x grad_accum x world_size; a bucket's last step may be short (padded
+    rows). Then the steps are shuffled, or kept short buckets first."""
     epoch_ids = np.arange(len(lengths)) if samples is None else np.asarray(samples)
     rng = np.random.default_rng([seed, epoch])
     bucket_of = assign_buckets(np.asarray(lengths)[epoch_ids], buckets)
@@ -279,13 +269,9 @@ def epoch_schedule(lengths, buckets, tokens_per_batch, world_size, grad_accum, s
 
 
 def collate(split, sample_ids, bucket_len, batch_size, pad_id=common.EOT_ID):
-    """The samples of `split` at `sample_ids`, copied out of the memory map and right-padded to the bucket
-    length, and their targets.
-
-    The target at position t is token t+1 where that token carries loss; padding is never a target. Right
-    padding under a causal mask never changes the real tokens' outputs, so no attention mask is needed. Rows
-    beyond the samples (a bucket's last, short step) are all padding.
-    """
+    """Input ids and targets of the samples at `sample_ids`, right-padded to the bucket length (under a causal mask,
+    padding on the right changes no real token's output: no attention mask). Target t is token t+1 where that token
+    carries a loss; padding, and rows beyond the samples, never do."""
     input_ids = torch.full((batch_size, bucket_len), pad_id, dtype=torch.long)
     targets = torch.full((batch_size, bucket_len), common.IGNORE_INDEX, dtype=torch.long)
     for row, i in enumerate(sample_ids):
@@ -303,11 +289,9 @@ def collate(split, sample_ids, bucket_len, batch_size, pad_id=common.EOT_ID):
 # The data order: what the sequence of training samples depends on.
 
 def data_order(args, train, val, world_size, samples_per_rank, batch_flags):
-    """What the order of the training samples depends on (the data, its split, the buckets, the seed and the samples
-    per step), for every checkpoint's meta.json: a resume may not change it (checkpoints.check_resume). Checks first
-    that every rank gets samples and that every source's validation split has some. samples_per_rank: the samples one
-    optimizer step takes on each rank that reads its own, per bucket (each script counts its own), and batch_flags the
-    flags that set them."""
+    """What the order of the training samples depends on, for every checkpoint's meta.json: a resume may not change it
+    (checkpoints.check_resume). samples_per_rank: a step's samples per bucket on each rank that reads its own, set by
+    batch_flags. Checks first that every rank and every validation split gets samples."""
     if len(train.lengths) < world_size:
         raise common.UsageError(f"the data gives {len(train.lengths)} training samples, fewer than the {world_size} "
                                 f"ranks: use more --data or fewer ranks")

@@ -85,7 +85,7 @@ def test_training_maps_a_prepared_folder_and_preparing_it_again_keeps_it(prepare
 
 
 @pytest.mark.parametrize("change,words", [
-    (lambda meta: meta.update(version=0), "format"),
+    (lambda meta: meta.update(version=0), "another format"),
     (lambda meta: meta["tokenizer"]["special_tokens"].update({"<|other|>": 50257}), "another tokenizer"),
     (lambda meta: None, "holds text"),  # given to a script that trains on conversations
 ])

@@ -15,9 +15,8 @@ import modeling
 
 
 class CheckpointError(common.ReportedError):
-    """A checkpoint (or an exported folder) that cannot be read or does not fit the model: a file damaged or lost
-    since it was written, tensors of other names or shapes. Not a flag's fault, though another --resume or
-    --init-from may avoid it. Exit status 3."""
+    """A checkpoint (or an exported folder) damaged since it was written, or whose tensors do not fit the model: not a
+    flag's fault, though another --resume or --init-from may avoid it. Exit status 3."""
     exit_status = 3
 
 
@@ -46,9 +45,8 @@ def newest_checkpoint(path):
 
 
 def commit_checkpoint(partial_dir, args, script, step, world_size, data_order, resumed_by, chat_format):
-    """Rank 0, once every rank has written: add meta.json, rename to step_<N>, drop the oldest beyond --keep-last.
-    meta.json lets --resume, generate.py and export_hf.py check a checkpoint without reading the weights; resumed_by
-    names the scripts that may resume it, chat_format whether its model learned the chat format and its markers."""
+    """Rank 0, once every rank has written: add meta.json (what --resume and the tools check without reading the
+    weights), rename to step_<N>, drop the oldest beyond --keep-last."""
     files = {str(f.relative_to(partial_dir)): f.stat().st_size for f in sorted(partial_dir.rglob("*")) if f.is_file()}
     meta = {"script": script, "resumed_by": resumed_by, "chat_format": chat_format, "model": args.model,
             "model_config": common.MODEL_PRESETS[args.model]["model"], "vocab_size": common.VOCAB_SIZE, "step": step,
@@ -65,16 +63,14 @@ def commit_checkpoint(partial_dir, args, script, step, world_size, data_order, r
 
 
 def remove_incomplete_checkpoints(checkpoint_root):
-    """Rank 0, on start: delete what a crashed run left behind, saves never committed or deletions never
-    finished. Neither is a complete checkpoint, so --resume never reads them; this only frees the disk."""
+    """Rank 0, on start: free the disk of a crashed run's uncommitted saves and unfinished deletions."""
     for prefix in (".partial_step_", ".removing_step_"):
         for leftover in Path(checkpoint_root).glob(f"{prefix}*"):
             shutil.rmtree(leftover, ignore_errors=True)
 
 
 def read_meta(checkpoint_dir, flag):
-    """The meta.json of a complete checkpoint folder (or of an export_hf.py folder: its checkpoint's, with "export"),
-    or a usage error naming `flag`."""
+    """The meta.json of a complete checkpoint (or export_hf.py) folder whose files have their sizes, else one line."""
     try:
         meta = json.loads((Path(checkpoint_dir) / "meta.json").read_text())
     except (OSError, ValueError):
@@ -136,8 +132,8 @@ UNREPORTED_FLAGS = ("resume", "out_dir", "init_from")  # expected to differ on a
 
 
 def check_resume(resume_dir, args, data_order):
-    """On --resume: the data order (data.data_order) must be the checkpoint's run's, else `index` in its data position
-    would point into another order. Any other flag may change, and applies from the next step: said once, here."""
+    """On --resume: the data order (data.data_order) must be the checkpoint's, else its data position points into
+    another order. Any other flag may change, from the next step: said once, here."""
     if resume_dir is None:
         return
     meta = read_meta(resume_dir, "--resume")
@@ -162,8 +158,8 @@ def check_resume(resume_dir, args, data_order):
 
 
 def find_init_checkpoint(args, writers):
-    """--init-from: a checkpoint folder or a run folder (its newest checkpoint) written by one of `writers`, the
-    scripts whose checkpoints hold the model in the layout this script reads ("export_hf": an export_hf.py folder)."""
+    """--init-from: a checkpoint folder, or a run folder's newest, written by one of `writers` (the scripts whose
+    layout this script reads; "export_hf": an export_hf.py folder)."""
     checkpoint_dir = newest_checkpoint(args.init_from)
     if checkpoint_dir is None:
         raise common.UsageError(f"--init-from {args.init_from} holds no complete checkpoint: run `torchrun "

@@ -26,15 +26,13 @@ IGNORE_INDEX = -100  # label of positions that carry no loss (F.cross_entropy's 
 # Errors: what we can name is one line, `error: ...`, with the exit status of its kind; never a traceback from our code.
 
 class ReportedError(Exception):
-    """A failure whose cause our code knows: reported as one line, and the process exits with `exit_status`. Each kind
-    is a subclass, in the module that raises it (docs/errors.md lists them); anything else is a bug, with a traceback
-    and Python's exit status 1."""
+    """A failure whose cause our code knows: one line, and exit status `exit_status` (a subclass per kind, listed in
+    docs/errors.md). Anything else is a bug, with a traceback and exit status 1."""
     exit_status = 1
 
 
 class UsageError(ReportedError):
-    """Bad input from the user (a flag, the data, a run folder): the line names the flag to change. Found before any
-    rank starts a collective, alike on every rank. Exit status 2, as argparse's own errors."""
+    """Bad input (a flag, the data, a run folder), found before any collective: the line names the flag. Exit 2."""
     exit_status = 2
 
 
@@ -204,7 +202,7 @@ def get_parser(description, default_out_dir):
     add("--warmup-steps", type=NON_NEGATIVE_INT, default=None, help="linear warmup steps")
     length = parser.add_mutually_exclusive_group()  # the run's length: in steps or in tokens, not both
     length.add_argument("--max-steps", type=COUNT, default=None, help="optimizer steps in the whole run")
-    length.add_argument("--max-tokens", type=COUNT, default=None, help="the run's length in tokens instead of steps (default: none)")
+    length.add_argument("--max-tokens", type=COUNT, default=None, help="the run's length in tokens (default: none)")
     add("--weight-decay", type=NON_NEGATIVE, default=0.1, help="AdamW weight decay, on matrices only")
     add("--grad-clip", type=NON_NEGATIVE, default=1.0, help="clip the global gradient norm to this (0 = off)")
     add("--eval-every", type=COUNT, default=None, help="evaluate every N steps, at step 0 and at the end")
@@ -343,10 +341,8 @@ def decode(tokenizer, token_ids):
 # LR schedule: linear warmup, then cosine decay to a floor.
 
 def learning_rate(step, args):
-    """The LR of optimizer step `step` (0-based), from the flags alone: no scheduler state is saved, so a resumed
-    run with another --lr, --warmup-steps, --min-lr-ratio, --max-steps or schedule follows the new one at once.
-    Linear warmup; then cosine from --lr to lr x --min-lr-ratio over the rest of the run, or (wsd) --lr held until
-    the last --decay-fraction of the steps, which decay to the same floor, linearly or as 1 - sqrt."""
+    """The LR of step `step` (0-based), from the flags alone (a resumed run follows new ones at once): linear warmup,
+    then cosine to lr x --min-lr-ratio, or (wsd) --lr held until the last --decay-fraction of the steps decays."""
     if step < args.warmup_steps:
         return args.lr * (step + 1) / args.warmup_steps
     if args.lr_schedule == "wsd":
@@ -363,9 +359,7 @@ def learning_rate(step, args):
 # The validation split.
 
 def validation_documents(n_documents, val_fraction, seed=0):
-    """A fixed held-out set of documents, the same whatever the training seed: at most 500 of them, so every
-    --val-fraction's set is within the first 500 of one permutation. Whole documents, so that no chunk of a held-out
-    document is ever trained on (data.py's splits; evaluate.py's held-out problems; tasks.py keeps clear of them)."""
+    """Held-out whole documents (no chunk of one is trained on), at most 500, the same whatever the training seed."""
     if n_documents < 2:
         raise UsageError("the data holds fewer than 2 documents: one is needed for training and one for "
                          "validation; use more --data")

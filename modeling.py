@@ -17,15 +17,9 @@ from common import END_OF_TURN, EOT_ID, IGNORE_INDEX, MODEL_PRESETS, SPECIAL_TOK
 
 
 class Qwen2WithChunkedLoss(Qwen2ForCausalLM):
-    """transformers' Qwen2ForCausalLM whose forward also takes the targets and returns the loss, from logits made a
-    chunk at a time at the target positions only (never a whole batch's):
-
-        model(input_ids=..., targets=...)                    the sum of -log p(target) over the targets
-        model(input_ids=..., targets=..., weights=...)       the sum of weight x -log p(target), a weight per position
-        model(input_ids=..., targets=..., position_ids=...)  tokens at the positions given (a piece of each sequence)
-        model(input_ids=...)                                 transformers' own forward: logits (generate() uses it)
-
-    The loss is computed inside forward so that FSDP's and DDP's hooks around model(...) cover the head as well."""
+    """Qwen2ForCausalLM whose forward, given targets (and optional weights and position_ids), returns the summed
+    loss (chunked_cross_entropy), inside forward so that FSDP's and DDP's hooks cover the head; without targets, it
+    is transformers' own forward (generate() uses it)."""
 
     def forward(self, input_ids=None, targets=None, weights=None, position_ids=None, labels=None, logits_to_keep=0,
                 **kwargs):
@@ -41,9 +35,8 @@ class Qwen2WithChunkedLoss(Qwen2ForCausalLM):
 
 
 def build_model(preset, activation_checkpointing="full"):
-    """A Qwen2WithChunkedLoss with the GPT-2 vocabulary and activation checkpointing on, "full" or "selective" (see
-    SELECTIVE_CHECKPOINT_SAVES). transformers' own init, normal(0, 0.02) for every matrix and zero biases, as the
-    released Qwen2 models: the first logits are near zero, so the first loss sits at ln(50,304) = 10.83."""
+    """A Qwen2WithChunkedLoss with the GPT-2 vocabulary and activation checkpointing, "full" or "selective", in
+    transformers' own init (normal(0, 0.02) matrices, zero biases): the first loss sits at ln(50,304) = 10.83."""
     config = Qwen2Config(
         vocab_size=VOCAB_SIZE, **MODEL_PRESETS[preset]["model"],
         max_position_embeddings=32_768, rope_parameters={"rope_type": "default",
@@ -86,10 +79,9 @@ LOSS_CHUNK_ROWS = {"cpu": 128, "cuda": 4096}
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
-    """Summed cross-entropy of hidden @ weight.T, each row's weighted by row_weights (None: 1), one chunk of rows at a
-    time. Each chunk's gradients are computed right away (softmax minus one-hot, times the row's weight, then two
-    matmuls), so no chunk's logits outlive it and the backward has nothing left to do but scale: the same FLOPs as the
-    plain loss, a fraction of its memory."""
+    """Summed cross-entropy of hidden @ weight.T (each row's times row_weights, if given), a chunk of rows at a time,
+    each chunk's gradients made at once: no chunk's logits outlive it, the plain loss's FLOPs in a fraction of its
+    memory."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, row_weights):
@@ -124,10 +116,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
 
 def chunked_cross_entropy(hidden, weight, targets, weights=None):
-    """Sum of -log p(target) over the positions whose target is not IGNORE_INDEX, each times its weight where weights
-    (the targets' shape: a reply's advantage, say) are given. Logits are made only at those positions (padding, and
-    prompts in SFT, cost nothing in the head) and a chunk at a time. Always eager: --compile compiles the decoder layers
-    only, and this has data-dependent shapes (which positions are targets)."""
+    """Sum of -log p(target) (times its weight, if weights are given) over the positions whose target is not
+    IGNORE_INDEX: logits only there, so padding and prompts cost nothing in the head. Eager: its shapes hang on the
+    data."""
     if not torch.is_grad_enabled():  # evaluation: apply() would see the weight's requires_grad and make its gradient
         hidden, weight = hidden.detach(), weight.detach()
     is_target = targets != IGNORE_INDEX
@@ -140,9 +131,8 @@ def count_parameters(model):
 
 
 def flops_per_token(n_params, config, seq_len):
-    """Model FLOPs per trained token: 6N for the matmuls with all parameters (the tied lm_head included)
-    plus 12*L*H*Q*T for attention scores (PaLM, appendix B). Activation-checkpoint recompute is not
-    counted: MFU counts the model's FLOPs, not the ones we chose to redo."""
+    """Model FLOPs per trained token (PaLM, appendix B): 6N for the matmuls plus 12*L*H*Q*T for attention scores;
+    activation checkpointing's recompute is not the model's, so not counted."""
     head_dim = config.hidden_size // config.num_attention_heads
     return 6 * n_params + 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_len
 

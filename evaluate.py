@@ -40,6 +40,7 @@ import torch
 
 import checkpoints
 import common
+import grading
 import modeling
 import prepare_data
 import tasks
@@ -253,17 +254,17 @@ def generation(model, tokenizer, args, task):
     max_new_tokens = 16 + max(len(common.encode_conversation(tokenizer, [("assistant", reply)])[0]) - 1
                               for _, reply, _ in problems)
     greedy = replies(model, prompts, max_new_tokens, args.batch_size)
-    answers = [tasks.solution_text(tokenizer, reply) for reply in greedy]
+    answers = [grading.solution_text(tokenizer, reply) for reply in greedy]
     n = len(problems)
     rows = [proportion("accuracy", sum(a == p[2] for a, p in zip(answers, problems)), n),
             proportion("with_markers", sum(a is not None for a in answers), n)]
     if task.startswith("solve"):
-        rows.append(proportion("worked", sum(tasks.is_worked(tokenizer, reply) for reply in greedy), n))
+        rows.append(proportion("worked", sum(grading.is_worked(tokenizer, reply) for reply in greedy), n))
     if args.samples:
         torch.manual_seed(args.seed)
         sampled_replies = replies(model, [p for p in prompts for _ in range(args.samples)], max_new_tokens,
                                   args.batch_size, temperature=1.0)
-        sampled = [tasks.solution_text(tokenizer, reply) for reply in sampled_replies]
+        sampled = [grading.solution_text(tokenizer, reply) for reply in sampled_replies]
         per_problem = [sampled[i * args.samples:(i + 1) * args.samples] for i in range(n)]
         right = [sum(a == p[2] for a in group) for group, p in zip(per_problem, problems)]
         for k in sorted({*(2**i for i in range(args.samples.bit_length()) if 2**i <= args.samples), args.samples}):
@@ -272,7 +273,7 @@ def generation(model, tokenizer, args, task):
         rows.append(proportion(f"maj@{args.samples}", sum(majority_answer(group) == p[2]
                                                           for group, p in zip(per_problem, problems)), n))
         if task.startswith("solve"):
-            worked = sum(tasks.is_worked(tokenizer, reply) for reply in sampled_replies)
+            worked = sum(grading.is_worked(tokenizer, reply) for reply in sampled_replies)
             rows.append(proportion("sampled_worked", worked, n * args.samples))
     return rows
 

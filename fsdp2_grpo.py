@@ -30,9 +30,9 @@ from tqdm import tqdm
 import checkpoints
 import common
 import data
+import grading
 import metrics
 import modeling
-import tasks
 
 SCRIPT = Path(__file__).stem  # names the run folder and is recorded in every checkpoint
 # The scripts that resume its checkpoints (recorded in each): the same format and data order.
@@ -66,7 +66,7 @@ parser.add_argument("--eval-generate", type=common.NON_NEGATIVE_INT, default=Non
 parser.add_argument("--group-size", type=common.number(int, 2), default=8, help="replies sampled per prompt "
                     "and rewarded against each other (a lone reply has no group: its advantage is always 0)")
 parser.add_argument("--prompts-per-step", type=common.COUNT, default=None, help="prompts per rank per optimizer step")
-parser.add_argument("--reward", choices=tasks.REWARDS, default="exact-text", help="a reply's answer, compared with "
+parser.add_argument("--reward", choices=grading.REWARDS, default="exact-text", help="a reply's answer, compared with "
                     "the reference's: exact-text, the text between its solution markers (as evaluate.py scores it); "
                     "final-number, the last number between them (else in the whole reply), for data such as GSM8K")
 args = common.parse_args(parser, PRESETS)  # the flags left unset: the --model preset's
@@ -91,7 +91,7 @@ train, val = data.load_sft_data(args)
 data_order = data.data_order(args, train, val, world_size, [args.prompts_per_step], ["prompts_per_step"])
 checkpoints.check_resume(resume_dir, args, data_order)  # --resume: the same data order; says which other flags changed
 # A prompt is a conversation up to its last <|assistant|>; its answer, the reference reply's as --reward reads it.
-train_prompts, train_answers, _ = tasks.answer_prompts(tokenizer, train, len(train.lengths), args.reward)
+train_prompts, train_answers, _ = grading.answer_prompts(tokenizer, train, len(train.lengths), args.reward)
 if not train_prompts:
     where = "between <|begin_of_solution|> and <|end_of_solution|>" + ", or a number" * (args.reward == "final-number")
     raise common.UsageError(f"--reward {args.reward} finds no answer in any reference reply of --data {args.data} "
@@ -195,7 +195,7 @@ def prompt_schedule(epoch):  # all prompts as one bucket of length 1: a step tak
 # ---------------------------------------------------------------------------------------------- evaluation
 val_schedules = {name: make_schedule(split, 0, 1, "ascending") for name, split in val.items()}
 # Answer accuracy: greedy replies to held-out prompts, checked against the reference as the reward checks them.
-val_prompts, val_answers, _ = tasks.answer_prompts(tokenizer, next(iter(val.values())), args.eval_generate,
+val_prompts, val_answers, _ = grading.answer_prompts(tokenizer, next(iter(val.values())), args.eval_generate,
                                                   args.reward)
 # A reply may be as long as a rollout's: the bucket less the prompt (a bare reference answer says nothing of it).
 max_reply_tokens = args.buckets[-1] - max(map(len, val_prompts), default=0)
@@ -215,7 +215,7 @@ def evaluate():
     mine = list(range(rank, len(val_prompts), world_size))  # each rank answers its share, in one batch
     prompts = [val_prompts[i] for i in mine]
     replies = modeling.generate_replies(model, prompts, max_reply_tokens, synced=True) if val_prompts else []
-    answers = [tasks.reply_answer(tokenizer, reply, args.reward) for reply in replies]  # as the reward reads them
+    answers = [grading.reply_answer(tokenizer, reply, args.reward) for reply in replies]  # as the reward reads them
     correct = sum(answer == val_answers[i] for i, answer in zip(mine, answers))
     correct = torch.tensor(float(correct), device=device)
     dist.all_reduce(loss_sums)
@@ -291,7 +291,7 @@ while step < args.max_steps:
         module.reshard()  # back to shards for training: the gathered copies are freed
     model.train()
     # Reward 1 for the reference answer, as --reward reads replies, else 0 (none, or cut short: 0).
-    answers = [tasks.reply_answer(tokenizer, reply, args.reward) for reply in replies]  # None: no answer
+    answers = [grading.reply_answer(tokenizer, reply, args.reward) for reply in replies]  # None: no answer
     rewards = torch.tensor([float(answer == train_answers[i]) for i, answer in zip(mine, answers)])
     # GRPO's advantage (Shao et al., 2024): a reply's reward less the mean reward of its group, the replies to one
     # prompt. Not divided by the group's std (Dr. GRPO, Liu et al., 2025): a group of equal rewards weighs exactly 0,
@@ -300,8 +300,8 @@ while step < args.max_steps:
     advantages = (groups - groups.mean(dim=1, keepdim=True)).flatten()
     rollouts = rollout_split(prompts, replies)
     flat = (groups.max(1).values == groups.min(1).values).sum()  # groups whose rewards are all equal
-    with_markers = sum(tasks.solution_text(tokenizer, reply) is not None for reply in replies)
-    worked = sum(tasks.is_worked(tokenizer, reply) for reply in replies)  # replies whose thought holds anything
+    with_markers = sum(grading.solution_text(tokenizer, reply) is not None for reply in replies)
+    worked = sum(grading.is_worked(tokenizer, reply) for reply in replies)  # replies whose thought holds anything
     stats = torch.tensor([rewards.sum(), len(rewards), flat, len(groups), with_markers, worked,
                           rollouts.target_counts.sum(), rollouts.lengths.sum()], dtype=torch.float64, device=device)
     dist.all_reduce(stats)  # the step's totals over all ranks: rewards, groups, reply tokens (the loss's denominator)

@@ -31,9 +31,9 @@ from tqdm import tqdm
 import checkpoints
 import common
 import data
+import grading
 import metrics
 import modeling
-import tasks
 
 SCRIPT = Path(__file__).stem  # names the run folder and is recorded in every checkpoint
 # The scripts that resume its checkpoints (recorded in each): the same format and data order.
@@ -192,7 +192,7 @@ def make_schedule(split, epoch, grad_accum, order):  # a split's epoch (a mixtur
 val_schedules = {name: make_schedule(split, 0, 1, "ascending") for name, split in val.items()}
 # Answer accuracy: greedy replies to held-out prompts (the first validation split's: the conversations'), compared
 # with the reference between the solution markers.
-val_prompts, val_answers, max_reply_tokens = tasks.answer_prompts(tokenizer, next(iter(val.values())),
+val_prompts, val_answers, max_reply_tokens = grading.answer_prompts(tokenizer, next(iter(val.values())),
                                                                  args.eval_generate, "exact-text")
 
 
@@ -210,7 +210,7 @@ def evaluate():
     mine = list(range(rank, len(val_prompts), world_size))  # each rank answers its share, in one batch
     prompts = [val_prompts[i] for i in mine]
     replies = modeling.generate_replies(model, prompts, max_reply_tokens, synced=True) if val_prompts else []
-    answers = [tasks.solution_text(tokenizer, reply) for reply in replies]  # the text between the solution markers
+    answers = [grading.solution_text(tokenizer, reply) for reply in replies]  # the text between the solution markers
     correct = sum(answer == val_answers[i] for i, answer in zip(mine, answers))
     correct = torch.tensor(float(correct), device=device)
     dist.all_reduce(loss_sums)

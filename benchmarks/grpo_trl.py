@@ -19,7 +19,7 @@ of ours' training split in ours' step order, token for token (checked); prompts 
 step, generated in one batch and trained in one micro-batch; replies sampled at temperature 1 with no top-k or top-p,
 ending at their first <|end_of_turn|> or <|endoftext|>, at most the bucket less the step's longest prompt long (ours'
 bound, given to TRL step by step); transformers' generate with a KV cache and left padding in both; the reward
-(tasks.reply_answer, final-number); advantages of reward minus the group mean, not divided by the std; no reference
+(grading.reply_answer, final-number); advantages of reward minus the group mean, not divided by the std; no reference
 model, no KL; one optimizer step per batch of rollouts (on-policy: TRL's ratio is 1, its clip never acts); the loss's
 normalization (see loss_type below); activation checkpointing of every decoder layer; fp32; fused AdamW, betas
 (0.9, 0.95), eps 1e-8, weight decay 0.1 on all but biases and norms, a constant learning rate, the gradient norm
@@ -57,7 +57,7 @@ import torch  # noqa: E402
 import checkpoints  # noqa: E402
 import common  # noqa: E402
 import data  # noqa: E402
-import tasks  # noqa: E402
+import grading  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--init-from", default="runs/fsdp2_sft",
@@ -111,7 +111,7 @@ def training_prompts(bucket_len):
     argv = [str(flag) for flag in grpo_flags(bucket_len)]
     args = common.finalize_args(common.parse_args(parser, common.script_presets("fsdp2_grpo.py"), argv))
     train, _ = data.load_sft_data(args)
-    prompts, answers, _ = tasks.answer_prompts(chat_tokenizer, train, len(train.lengths), args.reward)
+    prompts, answers, _ = grading.answer_prompts(chat_tokenizer, train, len(train.lengths), args.reward)
     return args, prompts, answers
 
 
@@ -172,8 +172,8 @@ def measure_trl():
                                           "prompt_tokens": [len(prompts[i]) for i in rows]})
 
     def answer_reward(completion_ids, answer, **kwargs):
-        """1 where the reply answers the reference answer as ours reads replies (tasks.reply_answer), else 0."""
-        return [float(tasks.reply_answer(chat_tokenizer, ids, args.reward) == reference)
+        """1 where the reply answers the reference answer as ours reads replies (grading.reply_answer), else 0."""
+        return [float(grading.reply_answer(chat_tokenizer, ids, args.reward) == reference)
                 for ids, reference in zip(completion_ids, answer)]
 
     rollout_seconds = []

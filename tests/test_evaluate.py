@@ -13,9 +13,9 @@ import torch
 import common
 import data
 import evaluate
+import grading
 import modeling
 import plot
-import tasks
 from helpers import SFT_DATA, TINY_RUN, run_script, traceback_through_our_code
 
 
@@ -118,7 +118,7 @@ def test_arith_gen_equals_the_sft_scripts_val_accuracy(tiny_run, tmp_path):
     argv = [*map(str, TINY_RUN), *map(str, SFT_DATA)]
     args = common.finalize_args(common.parse_args(parser, common.script_presets("fsdp2_sft.py"), argv))
     tokenizer = common.get_chat_tokenizer()
-    prompts, answers, _ = tasks.answer_prompts(tokenizer, data.load_sft_data(args)[1]["builtin-sft"], 8,
+    prompts, answers, _ = grading.answer_prompts(tokenizer, data.load_sft_data(args)[1]["builtin-sft"], 8,
                                           "exact-text")
     problems = evaluate.task_problems("arith_gen", argparse.Namespace(limit=8, val_fraction=args.val_fraction))
     assert [evaluate.chat_prompt(tokenizer, question) for question, _, _ in problems] == prompts

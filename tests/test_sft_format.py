@@ -11,6 +11,7 @@ import pytest
 
 import common
 import data
+import grading
 import prepare_data
 import tasks
 from helpers import prepare_folder
@@ -68,7 +69,7 @@ def test_literal_reasoning_markers_in_builtin_replies_become_special_tokens(toke
     tokens, labels = common.encode_conversation(tokenizer, prepare_data.conversation_messages(record, "builtin"))
     for marker in common.REASONING_MARKERS:
         assert tokens.count(S[marker]) == 1 and labels[tokens.index(S[marker])] == S[marker]
-    assert tasks.solution_text(tokenizer, tokens) == record["conversations"][1]["value"].split("\n\n")[-2]
+    assert grading.solution_text(tokenizer, tokens) == record["conversations"][1]["value"].split("\n\n")[-2]
 
 
 def test_builtin_reasoning_set_is_deterministic_and_correct():
@@ -144,9 +145,9 @@ def test_answer_only_rows_give_prompts_and_answers_under_each_reward(tmp_path, t
     args.val_fraction = 0.01  # one row held out: the test reads both splits
     splits = data.load_sft_data(args)
     found = {}
-    for reward in tasks.REWARDS:
+    for reward in grading.REWARDS:
         pairs = [pair for split in [splits[0], *splits[1].values()]
-                 for pair in zip(*tasks.answer_prompts(tokenizer, split, 10, reward)[:2])]
+                 for pair in zip(*grading.answer_prompts(tokenizer, split, 10, reward)[:2])]
         found[reward] = {tokenizer.decode(prompt): answer for prompt, answer in pairs}
     user = "<|system|>Be brief.<|end_of_turn|><|user|>What is 2 + 2?<|end_of_turn|><|assistant|>"
     assert found["exact-text"] == {user: "4", "<|user|>Tom has 3 apples and buys 4. How many now?<|end_of_turn|>"
@@ -162,11 +163,12 @@ def test_rewards_read_the_last_number_or_the_exact_text(tokenizer):
 
     solved = reply("<|begin_of_thought|>3 + 4 = 7, so 7 - 2<|end_of_thought|><|begin_of_solution|>The answer is 5."
                    "<|end_of_solution|>")
-    assert tasks.reply_answer(tokenizer, solved, "final-number") == 5.0
-    assert tasks.reply_answer(tokenizer, solved, "exact-text") == "The answer is 5."
+    assert grading.reply_answer(tokenizer, solved, "final-number") == 5.0
+    assert grading.reply_answer(tokenizer, solved, "exact-text") == "The answer is 5."
     unmarked = reply("3 + 4 = 7, so the farm holds 1,250.5 kg, not -3")  # no markers: the reply's last number
-    assert tasks.reply_answer(tokenizer, unmarked, "final-number") == -3.0
-    assert tasks.reply_answer(tokenizer, unmarked, "exact-text") is None
+    assert grading.reply_answer(tokenizer, unmarked, "final-number") == -3.0
+    assert grading.reply_answer(tokenizer, unmarked, "exact-text") is None
     in_words = reply("It is 7.<|begin_of_solution|>seven<|end_of_solution|>")  # markers: only what is inside counts
-    assert tasks.reply_answer(tokenizer, in_words, "final-number") is None
-    assert [tasks.final_number(text) for text in ["1,250.5 kg", "72", "72.0", "x", ""]] == [1250.5, 72, 72, None, None]
+    assert grading.reply_answer(tokenizer, in_words, "final-number") is None
+    numbers = [grading.final_number(text) for text in ["1,250.5 kg", "72", "72.0", "x", ""]]
+    assert numbers == [1250.5, 72, 72, None, None]

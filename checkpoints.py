@@ -1,17 +1,12 @@
 """Checkpoint bookkeeping shared by every script: find, commit, verify and prune checkpoint folders; the --resume
-and --init-from lookups and the checks on a resume; reading an exported Hugging Face folder; and, for the tools, any
-checkpoint into one plain model. How each strategy saves and loads its state (DCP or torch.save) is written out in the
-scripts."""
+and --init-from lookups and the checks on a resume; reading an exported Hugging Face folder. How each strategy saves
+and loads its state (DCP or torch.save) is written out in the scripts; loading.py reads any of them for the tools."""
 import json
 import os
-import pickle
 import shutil
 from pathlib import Path
 
-import torch
-
 import common
-import modeling
 
 
 class CheckpointError(common.ReportedError):
@@ -177,7 +172,7 @@ def find_init_checkpoint(args, writers):
 
 
 # ----------------------------------------------------------------------------------------------
-# Reading any checkpoint, or an exported Hugging Face folder, into one plain model.
+# An exported Hugging Face folder, read back (--init-from; loading.py for the tools).
 
 def is_hf_folder(path):
     """A Hugging Face model folder, as export_hf.py writes: config.json beside model.safetensors."""
@@ -196,45 +191,3 @@ def hf_state_dict(path):
             raise CheckpointError(f"{path}: {name} is not zero, so a Qwen2 model cannot hold these weights: load it "
                                   f"with transformers instead")
     return state
-
-
-def resolve_checkpoint(path):
-    """A checkpoint folder (step_<N>), or a run's --out-dir meaning its newest complete checkpoint."""
-    checkpoint_dir = newest_checkpoint(path)
-    if checkpoint_dir is None:
-        raise common.UsageError(f"{path} is neither a checkpoint folder (step_N with meta.json) nor a run folder "
-                                f"holding one")
-    return checkpoint_dir
-
-
-def load_checkpoint_model(checkpoint_dir, device="cpu"):
-    """A plain, unsharded model with the weights of a checkpoint of any script (or an exported folder), in one
-    process and with no process group: DCP reads sharded checkpoints into whole tensors by itself. The layout is told
-    by the files:
-
-        "export" in meta its model.safetensors             (an export_hf.py folder)
-        checkpoint.pt    its "model" entry                 (torch.save by rank 0: DDP)
-        model/           the whole folder                  (DCP, model saved apart from the optimizer: FSDP2)
-        otherwise        the app state's "model" entry     (DCP, one Stateful app state: FSDP1)
-    """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    meta = read_meta(checkpoint_dir, "checkpoint")
-    model = modeling.build_model(meta["model"]).eval()
-    state = model.state_dict()
-    try:
-        if "export" in meta:
-            state = hf_state_dict(checkpoint_dir)
-        elif (Path(checkpoint_dir) / "checkpoint.pt").is_file():
-            state = torch.load(Path(checkpoint_dir) / "checkpoint.pt", map_location="cpu", weights_only=True)["model"]
-        elif (Path(checkpoint_dir) / "model").is_dir():
-            dcp.load(state, checkpoint_id=Path(checkpoint_dir) / "model")
-        else:
-            dcp.load({"app": {"model": state}}, checkpoint_id=checkpoint_dir)  # reads only the model's entries
-        model.load_state_dict(state)
-    except (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError, CheckpointException) as exc:
-        # The sizes were right (read_meta), the bytes or the tensors are not: say which checkpoint, in one line.
-        raise CheckpointError(f"checkpoint {checkpoint_dir} cannot be read ({common.error_reason(exc)}): it is "
-                              f"damaged or not of these scripts") from None
-    return model.to(device), meta

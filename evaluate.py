@@ -41,6 +41,7 @@ import torch
 import checkpoints
 import common
 import grading
+import loading
 import modeling
 import prepare_data
 import tasks
@@ -309,7 +310,7 @@ def get_parser():
 
 def evaluate(args):
     """The rows of every task for the checkpoint at args.checkpoint, each with its task and the checkpoint's name."""
-    checkpoint_dir = checkpoints.resolve_checkpoint(args.checkpoint)
+    checkpoint_dir = loading.resolve_checkpoint(args.checkpoint)
     meta = checkpoints.read_meta(checkpoint_dir, "PATH")
     # Held out: the split the checkpoint's own run validated on (at the default, every default run's).
     args.val_fraction = meta.get("config", {}).get("val_fraction", VAL_FRACTION)
@@ -321,7 +322,7 @@ def evaluate(args):
                                 f"conversations); {checkpoint_dir} is {meta['script']}'s: use --tasks "
                                 f"prose_bpb,arith_choice")
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    model, meta = checkpoints.load_checkpoint_model(checkpoint_dir, device)
+    model, meta = loading.load_checkpoint_model(checkpoint_dir, device)
     if device.type == "cuda":
         model = model.to(torch.bfloat16)  # batched inference in bf16 on a GPU; the scores are summed in fp32
     tokenizer = common.get_chat_tokenizer()

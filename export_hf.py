@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-import checkpoints
 import common
+import loading
 
 
 def hf_tokenizer():
@@ -74,12 +74,12 @@ def llama_model(model):
 
 def export(checkpoint, out_dir):
     """Write the Hugging Face folder out_dir from a checkpoint folder or a run folder; returns the checkpoint's meta."""
-    checkpoint_dir = checkpoints.resolve_checkpoint(checkpoint)
+    checkpoint_dir = loading.resolve_checkpoint(checkpoint)
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise common.UsageError(f"{out_dir} already exists and is not empty: choose a new OUT_DIR (export never "
                                 f"overwrites)")
-    model, meta = checkpoints.load_checkpoint_model(checkpoint_dir)
+    model, meta = loading.load_checkpoint_model(checkpoint_dir)
     model = llama_model(model)
     model.generation_config.pad_token_id = common.EOT_ID
     if meta.get("chat_format"):  # a chat model ends its reply with <|end_of_turn|>

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-import checkpoints
 import common
+import loading
 import modeling
 
 parser = common.ArgumentParser(__doc__)
@@ -35,8 +35,8 @@ if not args.chat and args.prompt is None:
     parser.error("--prompt is required without --chat")
 
 device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-checkpoint_dir = checkpoints.resolve_checkpoint(args.checkpoint)
-model, meta = checkpoints.load_checkpoint_model(checkpoint_dir, device)
+checkpoint_dir = loading.resolve_checkpoint(args.checkpoint)
+model, meta = loading.load_checkpoint_model(checkpoint_dir, device)
 source = f"{meta['script']}.py, step {meta['step']}"
 if "export" in meta:  # an export_hf.py folder: its checkpoint's meta.json, and where it came from
     source = f"exported from {source}"

@@ -58,6 +58,7 @@ import checkpoints  # noqa: E402
 import common  # noqa: E402
 import data  # noqa: E402
 import grading  # noqa: E402
+import loading  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--init-from", default="runs/fsdp2_sft",
@@ -84,7 +85,7 @@ if any(path.exists() for path in (ours_dir, hf_dir, trl_dir)):
     parser.error(f"--work-dir {work} holds an earlier run (fsdp2_grpo/, hf/ or trl/): choose a new one")
 # Both tools on the CPU: TRL gets use_cpu, ours a process that sees no GPU.
 env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
-checkpoint_dir = checkpoints.resolve_checkpoint(Path(cli.init_from))
+checkpoint_dir = loading.resolve_checkpoint(Path(cli.init_from))
 preset = checkpoints.read_meta(checkpoint_dir, "--init-from")["model"]
 replies_per_step = cli.prompts_per_step * cli.group_size
 chat_tokenizer = common.get_chat_tokenizer()

@@ -85,7 +85,7 @@ def test_no_method_is_replaced_at_run_time():
 SHARED_IMPORTS = {"common": set(), "modeling": {"common"}, "metrics": {"common"}, "tasks": {"common"},
                   "grading": {"common", "data"},
                   "prepare_data": {"common", "data", "tasks"}, "data": {"common"},
-                  "checkpoints": {"common", "modeling"}}
+                  "checkpoints": {"common", "modeling"}, "loading": {"checkpoints", "common", "modeling"}}
 TOOLS = ["generate.py", "export_hf.py", "evaluate.py", "plot.py"]
 TOP_LEVEL = sorted(p for p in REPO.glob("*.py"))
 
@@ -143,15 +143,15 @@ def test_imports_run_one_way_with_no_cycle():
     for script in [*TRAINING_SCRIPTS, *TOOLS]:
         stem = script.removesuffix(".py")
         assert graph[stem] <= set(SHARED_IMPORTS), f"{script} imports {sorted(graph[stem] - set(SHARED_IMPORTS))}"
-    # The training scripts read prepared folders only: preparing a corpus (and generating the built-in task sets) is
-    # prepare_data.py's, on none of their paths.
+    # The training scripts read prepared folders only (preparing a corpus, and generating the built-in task sets, is
+    # prepare_data.py's) and load their checkpoints in their strategy's way (loading.py is the tools').
     for script in TRAINING_SCRIPTS:
         reached, todo = set(), [script.removesuffix(".py")]
         while todo:
             module = todo.pop()
             todo += sorted(graph[module] - reached)
             reached |= graph[module]
-        preparing = reached & {"prepare_data", "tasks"}
+        preparing = reached & {"prepare_data", "tasks", "loading"}
         assert not preparing, f"{script} reaches {sorted(preparing)}"
     # pipeline.py runs the others: the training scripts as commands, evaluate.py and plot.py as modules; none imports it
     assert graph["pipeline"] <= {*SHARED_IMPORTS, "evaluate", "plot"}

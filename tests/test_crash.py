@@ -14,6 +14,7 @@ import torch
 
 import checkpoints
 import common
+import loading
 import metrics
 from helpers import (
     BUILTIN_TEXT,
@@ -126,5 +127,5 @@ def test_a_nonfinite_loss_stops_every_rank_before_the_update_and_saves_nothing_p
     assert sorted(train) == list(range(1, stopped_at)) and all(math.isfinite(row["loss"]) for row in train.values())
     saved = checkpoints.complete_checkpoints(tmp_path / "checkpoints")
     assert saved[-1].name == f"step_{stopped_at - 1}" and not list((tmp_path / "checkpoints").glob(".*"))
-    model, _ = checkpoints.load_checkpoint_model(saved[-1])
+    model, _ = loading.load_checkpoint_model(saved[-1])
     assert all(torch.isfinite(p).all() for p in model.parameters())

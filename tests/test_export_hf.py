@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import checkpoints
 import common
 import export_hf
+import loading
 import modeling
 import tasks
 from helpers import REPO, SFT_DATA, check, read_metrics, run_script, tree_hashes
@@ -36,7 +37,7 @@ def exported(tiny_run, tmp_path_factory):
     """{script: (checkpoint folder, exported folder, checkpoint hashes before the export)}"""
     folders = {}
     for script in SCRIPTS:
-        checkpoint_dir = checkpoints.resolve_checkpoint(tiny_run(script)[0])
+        checkpoint_dir = loading.resolve_checkpoint(tiny_run(script)[0])
         before = tree_hashes(checkpoint_dir)
         out_dir = tmp_path_factory.mktemp("hf") / script.removesuffix(".py")
         if script == SCRIPTS[0]:
@@ -56,7 +57,7 @@ def test_exported_model_computes_the_same_logits(exported, script):
     umask = os.umask(0)
     os.umask(umask)
     assert {p.stat().st_mode & 0o777 for p in out_dir.iterdir()} == {0o666 & ~umask}  # readable as any file written
-    trained, _ = checkpoints.load_checkpoint_model(checkpoint_dir)
+    trained, _ = loading.load_checkpoint_model(checkpoint_dir)
     hf_model = AutoModelForCausalLM.from_pretrained(out_dir, local_files_only=True).eval()
     # Qwen2's layers with o_proj biases of zero (export_hf.py says why)
     assert type(hf_model).__name__ == "LlamaForCausalLM"
@@ -91,7 +92,7 @@ def test_pipeline_and_generate_py_on_the_export_answer_as_the_checkpoint_does(ex
     question = held_out_question()
     printed = check(run_script("generate.py", out_dir, "--chat", "--prompt", question, "--max-new-tokens", 24)).stdout
     # The checkpoint's greedy reply, made here as generate.py --chat makes it: the same text.
-    model, _ = checkpoints.load_checkpoint_model(checkpoint_dir)
+    model, _ = loading.load_checkpoint_model(checkpoint_dir)
     tokenizer = common.get_chat_tokenizer()
     prompt, _ = common.encode_conversation(tokenizer, [("system", common.BUILTIN_SYSTEM_PROMPT), ("user", question)])
     with torch.no_grad():

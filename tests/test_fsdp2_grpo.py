@@ -9,9 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-import checkpoints
 import common
 import evaluate
+import loading
 import prepare_data
 import tasks
 from helpers import (
@@ -108,7 +108,7 @@ def test_the_loss_is_the_policy_gradient_computed_in_plain_pytorch_and_a_rank_wi
     replies = [reply_saying(j) for j in range(10)]
     rewards = torch.tensor([float(j == 7) for j in range(10)])
     advantages = rewards - rewards.mean()
-    model, _ = checkpoints.load_checkpoint_model(checkpoints.resolve_checkpoint(sft_dir))
+    model, _ = loading.load_checkpoint_model(loading.resolve_checkpoint(sft_dir))
     width = max(len(prompt + reply) for reply in replies)
     input_ids = torch.tensor([prompt + reply + [common.EOT_ID] * (width - len(prompt + reply)) for reply in replies])
     log_probs = torch.log_softmax(model(input_ids=input_ids).logits.float(), dim=-1)

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-import checkpoints
 import common
+import loading
 import modeling
 from helpers import SFT_DATA, TINY_RUN, check, copy_checkpoint, model_tensors, read_metrics, run_script
 
@@ -57,7 +57,7 @@ def test_generate_reads_the_checkpoint_of_every_pretraining_script(tiny_run):
     assert printed.startswith("The interpreter") and len(printed) > len("The interpreter\n")
     tokenizer = common.get_tokenizer()
     for script in ("fsdp1_pretrain.py", "fsdp2_pretrain.py"):
-        model, _ = checkpoints.load_checkpoint_model(checkpoints.resolve_checkpoint(tiny_run(script)[0]))
+        model, _ = loading.load_checkpoint_model(loading.resolve_checkpoint(tiny_run(script)[0]))
         with torch.no_grad():
             reply = modeling.generate_replies(model, [tokenizer.encode_ordinary("The interpreter")], 12)[0]
         assert "The interpreter" + tokenizer.decode(reply) + "\n" == printed, script
@@ -68,7 +68,7 @@ def test_generate_chat_renders_the_trained_format(tiny_run):
     question = "Compute 4 + 3 - 2 + 1."
     printed = run_generate(out, "--chat", "--prompt", question, "--max-new-tokens", 20)
     # The same reply, made here by hand: system + user turn as in training, then the assistant marker.
-    model, meta = checkpoints.load_checkpoint_model(checkpoints.resolve_checkpoint(out))
+    model, meta = loading.load_checkpoint_model(loading.resolve_checkpoint(out))
     tokenizer = common.get_chat_tokenizer()
     prompt, _ = common.encode_conversation(tokenizer, [("system", common.BUILTIN_SYSTEM_PROMPT), ("user", question)])
     with torch.no_grad():

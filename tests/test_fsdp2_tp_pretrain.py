@@ -7,8 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-import checkpoints
 import common
+import loading
 import modeling
 from helpers import TINY_RUN, assert_same_steps, check, copy_checkpoint, read_metrics, run_script
 
@@ -71,7 +71,7 @@ def test_generate_reads_a_tp_checkpoint_as_the_ddp_one_it_equals(tiny_run, ddp_o
     flags = ["--prompt", "The interpreter", "--max-new-tokens", 12]
     printed = check(run_script("generate.py", tiny_run("fsdp2_tp_pretrain.py")[0], *flags)).stdout
     # The same greedy call in this process on DDP's step-20 checkpoint, which the TP run equals.
-    model, _ = checkpoints.load_checkpoint_model(checkpoints.resolve_checkpoint(ddp_one_process))
+    model, _ = loading.load_checkpoint_model(loading.resolve_checkpoint(ddp_one_process))
     tokenizer = common.get_tokenizer()
     with torch.no_grad():
         reply = modeling.generate_replies(model, [tokenizer.encode_ordinary("The interpreter")], 12)[0]

@@ -11,6 +11,7 @@ import pytest
 import checkpoints
 import common
 import data
+import loading
 import plot
 from helpers import BUILTIN_SFT, TINY_DATA, TINY_RUN, check, copy_checkpoint, read_metrics, run_script
 
@@ -105,7 +106,7 @@ def test_midtraining_starts_from_the_weights_and_logs_each_sources_validation_lo
     assert validation[-1]["val_loss/builtin-sft"] < validation[0]["val_loss/builtin-sft"] - 1  # it learns them
     # The model learned the chat format (conversations read as text): its checkpoints say so, the source run's do not.
     assert json.loads((out / "checkpoints" / "step_20" / "meta.json").read_text())["chat_format"] is True
-    assert checkpoints.read_meta(checkpoints.resolve_checkpoint(tiny_run("fsdp2_pretrain.py")[0]), "x")[
+    assert checkpoints.read_meta(loading.resolve_checkpoint(tiny_run("fsdp2_pretrain.py")[0]), "x")[
         "chat_format"] is False
     assert {"validation loss: builtin-sft against step", "validation loss: tiny_corpus against step"} <= set(
         plot.plot([out], tmp_path / "mid.png"))  # a panel per source
@@ -114,11 +115,11 @@ def test_midtraining_starts_from_the_weights_and_logs_each_sources_validation_lo
 @pytest.mark.parametrize("script", ["ddp_pretrain.py", "fsdp1_pretrain.py"])  # FSDP2's: the midtraining fixture
 def test_init_from_carries_the_weights_exactly(script, tiny_run, tmp_path):
     """With --lr 0, one step changes nothing: the new run's checkpoint holds its source checkpoint's every tensor."""
-    source = checkpoints.resolve_checkpoint(tiny_run(script)[0])
+    source = loading.resolve_checkpoint(tiny_run(script)[0])
     check(run_script(script, *TINY_RUN, "--init-from", source, "--lr", 0, "--max-steps", 1, "--eval-every", 100,
                      "--out-dir", tmp_path, nproc=2))
-    before, _ = checkpoints.load_checkpoint_model(source)
-    after, _ = checkpoints.load_checkpoint_model(checkpoints.resolve_checkpoint(tmp_path))
+    before, _ = loading.load_checkpoint_model(source)
+    after, _ = loading.load_checkpoint_model(loading.resolve_checkpoint(tmp_path))
     assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(before.state_dict().values(),
                                                                       after.state_dict().values()))
 

@@ -1,0 +1,53 @@
+"""Any checkpoint of these scripts, or an export_hf.py folder, as one plain model in one process with no process
+group: what the tools (generate.py, evaluate.py, export_hf.py) read. The training scripts load their own, in their
+strategy's way."""
+import pickle
+from pathlib import Path
+
+import torch
+
+import checkpoints
+import common
+import modeling
+
+
+def resolve_checkpoint(path):
+    """A checkpoint folder (step_<N>), or a run's --out-dir meaning its newest complete checkpoint."""
+    checkpoint_dir = checkpoints.newest_checkpoint(path)
+    if checkpoint_dir is None:
+        raise common.UsageError(f"{path} is neither a checkpoint folder (step_N with meta.json) nor a run folder "
+                                f"holding one")
+    return checkpoint_dir
+
+
+def load_checkpoint_model(checkpoint_dir, device="cpu"):
+    """A plain, unsharded model with the weights of a checkpoint of any script (or an exported folder), in one
+    process and with no process group: DCP reads sharded checkpoints into whole tensors by itself. The layout is told
+    by the files:
+
+        "export" in meta its model.safetensors             (an export_hf.py folder)
+        checkpoint.pt    its "model" entry                 (torch.save by rank 0: DDP)
+        model/           the whole folder                  (DCP, model saved apart from the optimizer: FSDP2)
+        otherwise        the app state's "model" entry     (DCP, one Stateful app state: FSDP1)
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    meta = checkpoints.read_meta(checkpoint_dir, "checkpoint")
+    model = modeling.build_model(meta["model"]).eval()
+    state = model.state_dict()
+    try:
+        if "export" in meta:
+            state = checkpoints.hf_state_dict(checkpoint_dir)
+        elif (Path(checkpoint_dir) / "checkpoint.pt").is_file():
+            state = torch.load(Path(checkpoint_dir) / "checkpoint.pt", map_location="cpu", weights_only=True)["model"]
+        elif (Path(checkpoint_dir) / "model").is_dir():
+            dcp.load(state, checkpoint_id=Path(checkpoint_dir) / "model")
+        else:
+            dcp.load({"app": {"model": state}}, checkpoint_id=checkpoint_dir)  # reads only the model's entries
+        model.load_state_dict(state)
+    except (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError, CheckpointException) as exc:
+        # The sizes were right (read_meta), the bytes or the tensors are not: say which checkpoint, in one line.
+        raise checkpoints.CheckpointError(f"checkpoint {checkpoint_dir} cannot be read ({common.error_reason(exc)}): "
+                                          f"it is damaged or not of these scripts") from None
+    return model.to(device), meta

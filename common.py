@@ -227,7 +227,7 @@ def add_batch_arguments(parser):
                         help="order of the batches in an epoch: shuffled, or short buckets first (the original recipe)")
 
 
-def finalize_args(args, tokens_per_step=None):
+def finalize_args(args, tokens_per_step):
     """Check what no single flag's type can, before anything heavy (or collective), and set --max-steps from
     --max-tokens and tokens_per_step, the positions one optimizer step computes (each script counts its own)."""
     if args.max_tokens is not None:
@@ -358,13 +358,13 @@ def learning_rate(step, args):
 # ----------------------------------------------------------------------------------------------
 # The validation split.
 
-def validation_documents(n_documents, val_fraction, seed=0):
+def validation_documents(n_documents, val_fraction):
     """Held-out whole documents (no chunk of one is trained on), at most 500, the same whatever the training seed."""
     if n_documents < 2:
         raise UsageError("the data holds fewer than 2 documents: one is needed for training and one for "
                          "validation; use more --data")
     n_val = min(max(1, round(n_documents * val_fraction)), 500)
-    return np.sort(np.random.default_rng(seed).permutation(n_documents)[:n_val])
+    return np.sort(np.random.default_rng(0).permutation(n_documents)[:n_val])
 
 
 # ----------------------------------------------------------------------------------------------

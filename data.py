@@ -27,7 +27,7 @@ def tokenizer_identity(chat_format):
 # ----------------------------------------------------------------------------------------------
 # Sources: --data FOLDER[:WEIGHT] ..., each a folder written by prepare_data.py.
 
-def source_and_weight(item, flag="--data"):
+def source_and_weight(item, flag):
     """(FOLDER, WEIGHT or None) of a FOLDER[:WEIGHT] item; a path may hold a ':', but not after its last '/'."""
     if ":" not in item or "/" in item.rsplit(":", 1)[1]:
         return item, None
@@ -46,7 +46,7 @@ def parse_sources(items):
     """[(folder, weight or None)] of --data's FOLDER[:WEIGHT] items. A weight is a share of the training tokens; given
     for one source, it is given for all, and they are normalized to sum to 1; given for none, each sample of every
     source is taken once an epoch."""
-    sources = [source_and_weight(item) for item in items]
+    sources = [source_and_weight(item, "--data") for item in items]
     weights = [weight for _, weight in sources]
     if None in weights and any(weight is not None for weight in weights):
         raise common.UsageError(f"--data {' '.join(items)}: give every source a weight, or none (each sample once an "
@@ -72,7 +72,7 @@ class Corpus(NamedTuple):
     content_sha256: str  # names the data in checkpoints: a resume on other data is refused
 
 
-def open_prepared(folder, conversations=False, flag="--data"):
+def open_prepared(folder, flag, conversations=False):
     """Memory-map a folder of prepare_data.py, once checked whole and of this format and tokenizer; text, or
     conversations (prepare_data.py --sft: with their loss mask; conversations=True: only these)."""
     path = Path(folder).expanduser()
@@ -147,7 +147,7 @@ def load_pretraining_data(args):
     sources = parse_sources(args.data)
     train, val = [], {}
     for (source, _), name in zip(sources, source_names([source for source, _ in sources])):
-        source_train, val[name] = text_splits(open_prepared(source), args)
+        source_train, val[name] = text_splits(open_prepared(source, "--data"), args)
         train.append(source_train)
     shares = np.array([weight for _, weight in sources]) if sources[0][1] is not None else None
     return mixture(train, shares), val
@@ -180,7 +180,7 @@ def mixture(splits, shares):
 def load_sft_data(args):
     """Train and validation Splits of encoded conversations (the validation ones by name), each cut to the largest
     bucket (its first tokens still teach); conversations with no target within that length are left out."""
-    corpus = open_prepared(args.data, conversations=True)
+    corpus = open_prepared(args.data, "--data", conversations=True)
     starts, lengths = np.asarray(corpus.offsets[:-1]), np.diff(corpus.offsets)
     cut = np.minimum(lengths, args.buckets[-1])
     # Targets per conversation: its mask's sum, less its first token's (a first token is never predicted).
@@ -268,11 +268,11 @@ def epoch_schedule(lengths, buckets, tokens_per_batch, world_size, grad_accum, s
                     np.concatenate(bucket_lens)[steps])
 
 
-def collate(split, sample_ids, bucket_len, batch_size, pad_id=common.EOT_ID):
+def collate(split, sample_ids, bucket_len, batch_size):
     """Input ids and targets of the samples at `sample_ids`, right-padded to the bucket length (under a causal mask,
     padding on the right changes no real token's output: no attention mask). Target t is token t+1 where that token
     carries a loss; padding, and rows beyond the samples, never do."""
-    input_ids = torch.full((batch_size, bucket_len), pad_id, dtype=torch.long)
+    input_ids = torch.full((batch_size, bucket_len), common.EOT_ID, dtype=torch.long)
     targets = torch.full((batch_size, bucket_len), common.IGNORE_INDEX, dtype=torch.long)
     for row, i in enumerate(sample_ids):
         start, n = split.starts[i], split.lengths[i]

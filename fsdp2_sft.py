@@ -82,7 +82,7 @@ tokenizer = common.get_chat_tokenizer()  # GPT-2 BPE plus the role and reasoning
 train, val = data.load_sft_data(args)
 if args.replay:  # pretraining text mixed in as that share of the tokens, every token a target, its own validation split
     source, share = data.source_and_weight(args.replay, "--replay")
-    text = data.open_prepared(source, flag="--replay")
+    text = data.open_prepared(source, "--replay")
     if text.chat_format or share is None or share >= 1:
         raise common.UsageError(f"--replay {args.replay}: pass a folder of pretraining text and its share of the "
                                 f"tokens, below 1, e.g. data/builtin:0.2")

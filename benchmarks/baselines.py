@@ -38,7 +38,7 @@ presets = common.script_presets("fsdp2_sft.py" if cli.mode == "trl" else "ddp_pr
 args = common.finalize_args(common.parse_args(common.get_parser("", cli.out_dir), presets,
     ["--model", cli.model, "--out-dir", cli.out_dir]
     + (["--buckets", cli.buckets] if cli.buckets else [])
-    + (["--tokens-per-batch", str(cli.tokens_per_batch)] if cli.tokens_per_batch else [])))
+    + (["--tokens-per-batch", str(cli.tokens_per_batch)] if cli.tokens_per_batch else [])), None)
 args.data = cli.data or ("data/builtin-sft" if cli.mode == "trl" else "data/builtin")
 
 
@@ -144,7 +144,7 @@ else:
         from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
         block = args.buckets[-1]
-        corpus = data.open_prepared(args.data)
+        corpus = data.open_prepared(args.data, "--data")
         ids = corpus.tokens.tolist()  # every document followed by <|endoftext|>, as run_clm concatenates them
         blocks = datasets.Dataset.from_dict({"input_ids": [ids[i:i + block]
                                                            for i in range(0, len(ids) - block + 1, block)]})

@@ -112,7 +112,7 @@ if cli.only_prepare:
 # ---------------------------------------------------------------------------------------------- index and schedule
 parser = common.get_parser("", "runs/x")
 args = common.parse_args(parser, common.script_presets("ddp_pretrain.py"), ["--model", "qwen2-0.5b"])
-args = common.finalize_args(args)
+args = common.finalize_args(args, None)
 args.data = [str(work / "prepared-2")]
 start = time.perf_counter()
 train, val = data.load_pretraining_data(args)

@@ -306,7 +306,7 @@ def test_empty_or_foreign_data_files_are_one_error_line_and_write_nothing(kind, 
         message = str(error.value)
         assert message.startswith(f"--data {path}") and "\n" not in message and len(message) < 400, (name, message)
         with pytest.raises(common.UsageError, match="no complete folder written by prepare_data.py"):
-            data.open_prepared(path, conversations=kind == "sft")
+            data.open_prepared(path, "--data", conversations=kind == "sft")
     assert not list((tmp_path / "prepared").iterdir())
 
 

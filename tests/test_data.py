@@ -49,7 +49,7 @@ def parse(flags):
     common.add_batch_arguments(parser)
     parser.add_argument("--data", nargs="+", default=[str(BUILTIN_TEXT)])  # the pretraining scripts', the tests' copy
     presets = common.script_presets("ddp_pretrain.py")
-    return common.finalize_args(common.parse_args(parser, presets, [str(flag) for flag in flags]))
+    return common.finalize_args(common.parse_args(parser, presets, [str(flag) for flag in flags]), None)
 
 
 @pytest.fixture(scope="module")

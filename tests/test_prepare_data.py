@@ -37,7 +37,7 @@ def args_for(folder, *flags):
     parser = common.get_parser("", "runs/x")
     parser.add_argument("--data", nargs="+")
     argv = ["--model", "tiny", "--data", str(folder), *map(str, flags)]
-    return common.finalize_args(common.parse_args(parser, common.script_presets("ddp_pretrain.py"), argv))
+    return common.finalize_args(common.parse_args(parser, common.script_presets("ddp_pretrain.py"), argv), None)
 
 
 def sha256(path):
@@ -95,7 +95,7 @@ def test_a_folder_of_another_format_tokenizer_or_kind_is_refused_in_one_line(cha
     change(meta)
     (folder / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(common.UsageError) as error:
-        data.open_prepared(folder, conversations=words == "holds text")
+        data.open_prepared(folder, "--data", conversations=words == "holds text")
     assert (str(error.value).startswith(f"--data {folder}") and words in str(error.value)
             and "\n" not in str(error.value))
 
@@ -164,7 +164,7 @@ def test_with_no_flags_it_writes_the_three_built_in_sets_and_a_second_run_keeps_
     folders = {name: tmp_path / "data" / name for name in ("builtin", "builtin-sft", "builtin-rl")}
     for name, folder in folders.items():
         assert f"into data/{name}" in first
-        assert data.open_prepared(folder, conversations=name != "builtin").chat_format == (name != "builtin")
+        assert data.open_prepared(folder, "--data", conversations=name != "builtin").chat_format == (name != "builtin")
     written = {path: path.stat().st_mtime_ns for path in (tmp_path / "data").rglob("*")}
     assert prepare().count("already: kept") == 3
     assert {path: path.stat().st_mtime_ns for path in (tmp_path / "data").rglob("*")} == written

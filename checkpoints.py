@@ -22,11 +22,7 @@ class CheckpointError(common.ReportedError):
 
 def complete_checkpoints(checkpoint_root):
     """Committed checkpoints (step_<N> folders holding a meta.json), oldest first."""
-    root = Path(checkpoint_root)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.name.startswith("step_") and p.name[5:].isdigit()
-             and (p / "meta.json").is_file()]
+    found = [p for p in Path(checkpoint_root).glob("step_*") if p.name[5:].isdigit() and (p / "meta.json").is_file()]
     return sorted(found, key=lambda p: int(p.name[5:]))
 
 
@@ -93,13 +89,10 @@ def find_resume_checkpoint(args, checkpoint_root, script):
             raise common.UsageError(f"{checkpoint_root} already holds checkpoints (newest {existing[-1].name}): pass "
                                     f"--resume to continue, or choose another --out-dir")
         return None
-    if args.resume == "latest":
-        if not existing:
-            raise common.UsageError(f"--resume: no complete checkpoint under {checkpoint_root}: drop --resume to start "
-                                    f"fresh, or check --out-dir")
-        checkpoint_dir = existing[-1]
-    else:
-        checkpoint_dir = Path(args.resume)
+    if args.resume == "latest" and not existing:
+        raise common.UsageError(f"--resume: no complete checkpoint under {checkpoint_root}: drop --resume to start "
+                                f"fresh, or check --out-dir")
+    checkpoint_dir = existing[-1] if args.resume == "latest" else Path(args.resume)
     meta = read_meta(checkpoint_dir, "--resume")
     if "export" in meta:
         raise common.UsageError(f"--resume {checkpoint_dir} is an export_hf.py folder, which no script resumes: pass "
@@ -132,18 +125,12 @@ def check_resume(resume_dir, args, data_order):
     if resume_dir is None:
         return
     meta = read_meta(resume_dir, "--resume")
-    saved = meta["data_order"]
-    for key, flag in ORDER_FLAGS.items():
-        if key in data_order and saved.get(key) != data_order[key]:
+    batch = " x ".join(f"--{name.replace('_', '-')}" for name in data_order["batch_flags"])  # the ranks may change
+    for key, flag in {**ORDER_FLAGS, "samples_per_step": f"{batch} x ranks (a step's samples per bucket)"}.items():
+        if key in data_order and meta["data_order"].get(key) != data_order[key]:
             raise common.UsageError(f"{flag} differs from the run of --resume {resume_dir} ({data_order[key]} here, "
-                                    f"{saved.get(key)} there), and the data order depends on it: resume with its "
-                                    f"{flag}")
-    # The number of ranks may change, the global batch may not.
-    if saved["samples_per_step"] != data_order["samples_per_step"]:
-        flags = " x ".join(f"--{name.replace('_', '-')} {value}" for name, value in data_order["batch_flags"].items())
-        raise common.UsageError(f"{flags} x {data_order['world_size']} ranks gives {data_order['samples_per_step']} "
-                                f"samples per step (per bucket); the run of --resume {resume_dir} took "
-                                f"{saved['samples_per_step']}: keep their product as it was")
+                                    f"{meta['data_order'].get(key)} there), and the data order depends on it: resume "
+                                    f"with its {flag}")
     before, now = meta.get("config", {}), common.flag_values(args)  # every flag of the checkpoint's run, and this one's
     changed = [f"--{name.replace('_', '-')} {value} (was {before[name]})" for name, value in now.items()
                if name in before and name not in UNREPORTED_FLAGS and before[name] != value]

@@ -302,4 +302,4 @@ def data_order(args, train, val, world_size, samples_per_rank, batch_flags):
     return {"data_sha256": train.content_sha256, "val_fraction": args.val_fraction, "buckets": args.buckets,
             "seed": args.seed, "world_size": world_size, "bucket_order": getattr(args, "bucket_order", None),
             "samples_per_step": [n * world_size for n in samples_per_rank],
-            "batch_flags": {flag: getattr(args, flag) for flag in batch_flags}}
+            "batch_flags": batch_flags}

@@ -371,16 +371,12 @@ def validation_documents(n_documents, val_fraction):
 # Process group.
 
 def init_process_group(device):
-    """NCCL on CUDA, gloo on CPU. A plain `python script.py` becomes a process group of one, on an in-process store."""
+    """NCCL on CUDA, gloo on CPU; a plain `python script.py` is a group of one on an in-process store. A collective that
+    waits 10 minutes fails instead of hanging (gloo's default: 30); torchrun stops the others when a rank dies."""
     import datetime
 
     import torch.distributed as dist
 
     alone = {} if "MASTER_ADDR" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)  # not torchrun
-    # A collective that waits longer than this fails instead of hanging (gloo's default is 30 minutes). A dead
-    # rank is caught much sooner: torchrun sees the process exit and stops the others within a second or so.
-    timeout = datetime.timedelta(minutes=10)
-    if device.type == "cuda":
-        dist.init_process_group("nccl", device_id=device, timeout=timeout, **alone)
-    else:
-        dist.init_process_group("gloo", timeout=timeout, **alone)
+    backend = dict(backend="nccl", device_id=device) if device.type == "cuda" else dict(backend="gloo")
+    dist.init_process_group(**backend, timeout=datetime.timedelta(minutes=10), **alone)

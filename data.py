@@ -206,11 +206,6 @@ def bucket_batch_size(tokens_per_batch, bucket_len):
     return tokens_per_batch // bucket_len
 
 
-def assign_buckets(lengths, buckets):
-    """Index of the smallest bucket whose max length holds each sample."""
-    return np.searchsorted(np.asarray(buckets), np.asarray(lengths), side="left")
-
-
 class Schedule:
     """One epoch's optimizer steps as flat arrays: schedule[i] is (bucket length, the samples of step i, all ranks'
     and micro-batches'). Rank r's micro-batch m of a step is samples[m * world_size + r :: world_size * grad_accum]."""
@@ -249,7 +244,7 @@ def epoch_schedule(lengths, buckets, tokens_per_batch, world_size, grad_accum, s
     rows). Then the steps are shuffled, or kept short buckets first."""
     epoch_ids = np.arange(len(lengths)) if samples is None else np.asarray(samples)
     rng = np.random.default_rng([seed, epoch])
-    bucket_of = assign_buckets(np.asarray(lengths)[epoch_ids], buckets)
+    bucket_of = np.searchsorted(buckets, np.asarray(lengths)[epoch_ids])  # the smallest bucket that holds each
     samples, starts, ends, bucket_lens = [], [], [], []
     offset = 0
     for b, bucket_len in enumerate(buckets):

@@ -21,15 +21,11 @@ class Qwen2WithChunkedLoss(Qwen2ForCausalLM):
     loss (chunked_cross_entropy), inside forward so that FSDP's and DDP's hooks cover the head; without targets, it
     is transformers' own forward (generate() uses it)."""
 
-    def forward(self, input_ids=None, targets=None, weights=None, position_ids=None, labels=None, logits_to_keep=0,
-                **kwargs):
-        if targets is None and weights is None:  # labels=: transformers' own loss (full logits), as Trainer and TRL use
-            return super().forward(input_ids=input_ids, position_ids=position_ids, labels=labels,
-                                   logits_to_keep=logits_to_keep, **kwargs)
-        extra = ["labels"] * (labels is not None) + list(kwargs)  # nothing else may be dropped silently
-        extra += ["weights without targets"] * (targets is None)
-        if extra:
-            raise ValueError(f"forward with targets takes input_ids, position_ids and weights only, got {extra}")
+    def forward(self, input_ids=None, targets=None, weights=None, position_ids=None, **kwargs):
+        if targets is None and weights is None:  # transformers' own (labels=: its loss on full logits, as Trainer's)
+            return super().forward(input_ids=input_ids, position_ids=position_ids, **kwargs)
+        if targets is None or kwargs:  # with targets, no other argument may be dropped silently
+            raise ValueError(f"a loss takes targets, and input_ids, position_ids or weights: got {sorted(kwargs)}")
         hidden = self.model(input_ids=input_ids, position_ids=position_ids).last_hidden_state
         return chunked_cross_entropy(hidden, self.lm_head.weight, targets, weights)
 

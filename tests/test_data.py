@@ -31,7 +31,7 @@ def list_schedule(lengths, buckets, tokens_per_batch, world_size, grad_accum, se
     """The schedule as the scripts computed it before it became flat arrays (Python lists per sample), kept here
     as the reference the new one must equal bit for bit."""
     rng = np.random.default_rng([seed, epoch])
-    bucket_of = data.assign_buckets(lengths, buckets)
+    bucket_of = np.searchsorted(buckets, lengths)  # the smallest bucket that holds each sample
     steps = []
     for b, bucket_len in enumerate(buckets):
         members = rng.permutation(np.flatnonzero(bucket_of == b)).tolist()

@@ -187,10 +187,8 @@ def get_parser(description, default_out_dir):
     parse_args sets the defaults the script's PRESETS give the --model preset (those left None here among them)."""
     parser = ArgumentParser(description, add_help=False)  # --help comes last, once the preset's values are in
     add = parser.add_argument
-    add("--model", default="small", choices=list(MODEL_PRESETS), help="model preset: its shape, and the script's "
-        "PRESETS defaults for it (`--model M --help` shows M's)")
-    add("--val-fraction", type=number(float, 0, 1), default=0.05, help="share of each source's documents held out "
-        "for validation, at most 500")
+    add("--model", default="small", choices=list(MODEL_PRESETS), help="shape and defaults (`--model M --help`: M's)")
+    add("--val-fraction", type=number(float, 0, 1), default=0.05, help="documents held out per source (at most 500)")
     add("--buckets", type=bucket_lengths, default=None, help="comma-separated bucket max lengths in tokens")
     add("--tokens-per-batch", type=COUNT, default=None, help="tokens per micro-batch per rank (batch: this // length)")
     add("--lr", type=NON_NEGATIVE, default=None, help="peak learning rate")
@@ -210,8 +208,8 @@ def get_parser(description, default_out_dir):
     add("--keep-last", type=COUNT, default=2, help="keep this many newest checkpoints, delete older ones")
     add("--log-every", type=COUNT, default=1, help="write a metrics row every N steps")
     add("--out-dir", default=default_out_dir, help="metrics, TensorBoard events and checkpoints go here")
-    add("--resume", nargs="?", const="latest", default=None, help="continue from the newest complete checkpoint in "
-        "--out-dir, or from the checkpoint folder given (default: a fresh run)")
+    add("--resume", nargs="?", const="latest", default=None, help="continue from --out-dir's newest checkpoint, or "
+        "the one given (default: a fresh run)")
     add("--seed", type=NON_NEGATIVE_INT, default=1337, help="seeds the model's init, the data order and any sampling")
     add("--dtype", choices=["bf16", "fp32"], default=None, help="compute dtype (default: bf16 on CUDA, fp32 on CPU)")
     add("--compile", action="store_true", help="torch.compile each decoder layer, one graph per bucket length")

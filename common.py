@@ -5,7 +5,6 @@ strategy-specific (wrapping, checkpoint save and load, clipping, no-sync) is wri
 `diff` between them is the lesson.
 """
 import argparse
-import ast
 import functools
 import json
 import math
@@ -174,14 +173,6 @@ def parse_args(parser, presets, argv=None):
     return args
 
 
-def script_presets(script):
-    """The PRESETS a training script defines, read from its source (a script runs when imported): for the tools and
-    tests that parse a script's flags as it does."""
-    tree = ast.parse((Path(__file__).parent / script).read_text())
-    node = next(node for node in tree.body if getattr(getattr(node, "targets", [None])[0], "id", None) == "PRESETS")
-    return eval(compile(ast.Expression(node.value), script, "eval"), {"__builtins__": {}, "dict": dict})  # dicts only
-
-
 def get_parser(description, default_out_dir):
     """The parser of a training script, with the flags they share (each script adds its own --data and --init-from);
     parse_args sets the defaults the script's PRESETS give the --model preset (those left None here among them)."""
@@ -273,7 +264,6 @@ END_OF_TURN = "<|end_of_turn|>"
 REASONING_MARKERS = ["<|begin_of_thought|>", "<|end_of_thought|>", "<|begin_of_solution|>", "<|end_of_solution|>"]
 SPECIAL_TOKENS = {marker: EOT_ID + 1 + i
                   for i, marker in enumerate([*ROLE_MARKERS.values(), END_OF_TURN, *REASONING_MARKERS])}
-BUILTIN_SYSTEM_PROMPT = "Reason step by step."
 
 
 @functools.cache  # an encoding is immutable; building one parses 50,000 merges (most of a second)
@@ -309,25 +299,6 @@ def get_chat_tokenizer():
     gpt2 = get_tokenizer()
     return tiktoken.Encoding("gpt2-chat", pat_str=gpt2._pat_str, mergeable_ranks=gpt2._mergeable_ranks,
                              special_tokens={**gpt2._special_tokens, **SPECIAL_TOKENS})
-
-
-def encode_conversation(tokenizer, messages):
-    """Token ids and labels of a conversation [(role, text), ...]: <|role|> text <|end_of_turn|> per turn.
-
-    Role markers come only from here. Inside assistant text the literal reasoning markers become their
-    special tokens; every other marker string, and any marker inside system or user text, stays plain
-    text, so no message can forge a turn. Labels: assistant text and its end marker; nothing else.
-    """
-    tokens, labels = [], []
-    for role, text in messages:
-        if role == "assistant":
-            body = tokenizer.encode(text, allowed_special=set(REASONING_MARKERS), disallowed_special=())
-        else:
-            body = tokenizer.encode_ordinary(text)
-        body.append(SPECIAL_TOKENS[END_OF_TURN])
-        tokens += [SPECIAL_TOKENS[ROLE_MARKERS[role]], *body]
-        labels += [IGNORE_INDEX, *(body if role == "assistant" else [IGNORE_INDEX] * len(body))]
-    return tokens, labels
 
 
 def decode(tokenizer, token_ids):

@@ -187,7 +187,8 @@ def task_problems(task, args):
 
 def chat_prompt(tokenizer, question):
     """A question in the chat format, up to and with the assistant marker: the prompt fsdp2_sft.py's accuracy uses."""
-    tokens, _ = common.encode_conversation(tokenizer, [("system", common.BUILTIN_SYSTEM_PROMPT), ("user", question)])
+    messages = [("system", tasks.BUILTIN_SYSTEM_PROMPT), ("user", question)]
+    tokens, _ = prepare_data.encode_conversation(tokenizer, messages)
     return tokens + [common.SPECIAL_TOKENS[common.ROLE_MARKERS["assistant"]]]
 
 
@@ -252,7 +253,7 @@ def generation(model, tokenizer, args, task):
     problems = task_problems(task, args)
     prompts = [chat_prompt(tokenizer, question) for question, _, _ in problems]
     # The reply bound fsdp2_sft.py uses: the longest reference reply (with its end marker), plus 16 tokens.
-    max_new_tokens = 16 + max(len(common.encode_conversation(tokenizer, [("assistant", reply)])[0]) - 1
+    max_new_tokens = 16 + max(len(prepare_data.encode_conversation(tokenizer, [("assistant", reply)])[0]) - 1
                               for _, reply, _ in problems)
     greedy = replies(model, prompts, max_new_tokens, args.batch_size)
     answers = [grading.solution_text(tokenizer, reply) for reply in greedy]

@@ -41,7 +41,7 @@ def hf_tokenizer():
     tokenizer = GPT2Tokenizer(vocab=vocab, merges=merges, pad_token="<|endoftext|>")
     markers = [AddedToken(marker, special=True, normalized=False) for marker in common.SPECIAL_TOKENS]
     tokenizer.add_tokens(markers, special_tokens=True)
-    tokenizer.chat_template = (  # <|role|> text <|end_of_turn|> per turn, as common.encode_conversation renders it
+    tokenizer.chat_template = (  # <|role|> text <|end_of_turn|> per turn, as prepare_data.py encodes it
         "{% for message in messages %}"
         "{{ '<|' + message['role'] + '|>' + message['content'] + '<|end_of_turn|>' }}"
         "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")

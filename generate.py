@@ -15,6 +15,8 @@ import torch
 import common
 import loading
 import modeling
+import prepare_data
+import tasks
 
 parser = common.ArgumentParser(__doc__)
 parser.add_argument("checkpoint",
@@ -59,7 +61,7 @@ if not args.chat:  # a pretrained (or any) model continues plain text
     sys.exit(0)
 
 builtin_data = Path(str(meta.get("data"))).name in ("builtin-sft", "builtin-rl")  # prepare_data.py's built-in sets
-builtin_system = common.BUILTIN_SYSTEM_PROMPT if builtin_data else ""
+builtin_system = tasks.BUILTIN_SYSTEM_PROMPT if builtin_data else ""
 system = args.system if args.system is not None else builtin_system
 if not meta.get("chat_format"):
     print("note: this model never learned the chat format (a pretraining checkpoint): expect no reply", file=sys.stderr)
@@ -73,7 +75,7 @@ while True:
         print()
         break
     conversation.append(("user", message))
-    prompt_tokens, _ = common.encode_conversation(tokenizer, conversation)
+    prompt_tokens, _ = prepare_data.encode_conversation(tokenizer, conversation)
     text, new_tokens = reply(prompt_tokens + [common.SPECIAL_TOKENS[common.ROLE_MARKERS["assistant"]]])
     print(text if args.prompt is not None else f"assistant> {text}")
     if args.prompt is not None:

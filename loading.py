@@ -1,6 +1,7 @@
-"""Any checkpoint of these scripts, or an export_hf.py folder, as one plain model in one process with no process
-group: what the tools (generate.py, evaluate.py, export_hf.py) read. The training scripts load their own, in their
-strategy's way."""
+"""What the tools and tests read of the training scripts: any checkpoint, or an export_hf.py folder, as one plain model
+in one process with no process group (the training scripts load their own, in their strategy's way); a script's
+PRESETS."""
+import ast
 import pickle
 from pathlib import Path
 
@@ -51,3 +52,11 @@ def load_checkpoint_model(checkpoint_dir, device="cpu"):
         raise checkpoints.CheckpointError(f"checkpoint {checkpoint_dir} cannot be read ({common.error_reason(exc)}): "
                                           f"it is damaged or not of these scripts") from None
     return model.to(device), meta
+
+
+def script_presets(script):
+    """The PRESETS a training script defines, read from its source (a script runs when imported): for the tools and
+    tests that parse a script's flags as it does."""
+    tree = ast.parse((Path(__file__).parent / script).read_text())
+    node = next(node for node in tree.body if getattr(getattr(node, "targets", [None])[0], "id", None) == "PRESETS")
+    return eval(compile(ast.Expression(node.value), script, "eval"), {"__builtins__": {}, "dict": dict})  # dicts only

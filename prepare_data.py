@@ -275,9 +275,28 @@ def encode_documents(texts):
     return tokens, None, lengths
 
 
+def encode_conversation(tokenizer, messages):
+    """Token ids and labels of a conversation [(role, text), ...]: <|role|> text <|end_of_turn|> per turn.
+
+    Role markers come only from here. Inside assistant text the literal reasoning markers become their
+    special tokens; every other marker string, and any marker inside system or user text, stays plain
+    text, so no message can forge a turn. Labels: assistant text and its end marker; nothing else.
+    """
+    tokens, labels = [], []
+    for role, text in messages:
+        if role == "assistant":
+            body = tokenizer.encode(text, allowed_special=set(common.REASONING_MARKERS), disallowed_special=())
+        else:
+            body = tokenizer.encode_ordinary(text)
+        body.append(common.SPECIAL_TOKENS[common.END_OF_TURN])
+        tokens += [common.SPECIAL_TOKENS[common.ROLE_MARKERS[role]], *body]
+        labels += [common.IGNORE_INDEX, *(body if role == "assistant" else [common.IGNORE_INDEX] * len(body))]
+    return tokens, labels
+
+
 def encode_conversations(conversations):
     """Token ids, loss mask (1: a target) and length of each conversation, in the SFT chat format."""
-    encoded = [common.encode_conversation(common.get_chat_tokenizer(), messages) for messages in conversations]
+    encoded = [encode_conversation(common.get_chat_tokenizer(), messages) for messages in conversations]
     lengths = np.array([len(tokens) for tokens, _ in encoded], dtype=np.int64)
     tokens = np.fromiter(itertools.chain.from_iterable(tokens for tokens, _ in encoded), dtype=np.int64,
                          count=int(lengths.sum()))

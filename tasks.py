@@ -13,6 +13,9 @@ import random
 
 import common
 
+BUILTIN_SYSTEM_PROMPT = "Reason step by step."  # the system prompt of the built-in conversations
+
+
 # ----------------------------------------------------------------------------------------------
 # Arithmetic.
 
@@ -52,7 +55,7 @@ def generated_reasoning_records(n, seed, operations):
         thoughts = "First, " + "; ".join(steps)  # a word first: every number is the same " 5" token as in the question
         answer = (f"<|begin_of_thought|>\n\n{thoughts}\n\n<|end_of_thought|>\n\n"
                   f"<|begin_of_solution|>\n\nThe answer is {value}.\n\n<|end_of_solution|>")
-        records.append({"system": common.BUILTIN_SYSTEM_PROMPT, "conversations": [
+        records.append({"system": BUILTIN_SYSTEM_PROMPT, "conversations": [
             {"from": "user", "value": question}, {"from": "assistant", "value": answer}]})
     return records
 
@@ -102,7 +105,7 @@ def solve_records(worked_share=SOLVE_WORKED_SHARE):
     validation = set(common.validation_documents(len(arithmetic) + SOLVE_SFT_ROWS, 1.0).tolist())
     rng = random.Random(1)
     chosen = rng.sample([i for i in range(len(arithmetic)) if i not in validation], SOLVE_SFT_ROWS)
-    return [{"system": common.BUILTIN_SYSTEM_PROMPT, "conversations": [
+    return [{"system": BUILTIN_SYSTEM_PROMPT, "conversations": [
         {"from": "user", "value": solve_question(arithmetic[i])},
         {"from": "assistant", "value": arithmetic[i]["conversations"][1]["value"] if rng.random() < worked_share
          else direct_reply(arithmetic[i])}]} for i in chosen]
@@ -116,6 +119,6 @@ def builtin_sft_records(worked_share=SOLVE_WORKED_SHARE):
 
 def builtin_rl_records():
     """The built-in RL set: the solve family's questions that no other set holds, with their answers only."""
-    return [{"system": common.BUILTIN_SYSTEM_PROMPT, "prompt": solve_question(record),
+    return [{"system": BUILTIN_SYSTEM_PROMPT, "prompt": solve_question(record),
              "answer": direct_reply(record).split("<|begin_of_solution|>")[1].split("<|end_of_solution|>")[0].strip()}
             for record in unseen_chains()[SOLVE_HELD_OUT:]]

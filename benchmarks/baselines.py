@@ -19,6 +19,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
 import data  # noqa: E402
+import loading  # noqa: E402
 import metrics  # noqa: E402
 import modeling  # noqa: E402
 
@@ -34,7 +35,7 @@ parser.add_argument("--out-dir", default="/tmp/baselines")
 parser.add_argument("--compile", action="store_true", help="bare loop: compile the decoder layers as our scripts do")
 cli = parser.parse_args()
 rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-presets = common.script_presets("fsdp2_sft.py" if cli.mode == "trl" else "ddp_pretrain.py")  # their training defaults
+presets = loading.script_presets("fsdp2_sft.py" if cli.mode == "trl" else "ddp_pretrain.py")  # their training defaults
 args = common.finalize_args(common.parse_args(common.get_parser("", cli.out_dir), presets,
     ["--model", cli.model, "--out-dir", cli.out_dir]
     + (["--buckets", cli.buckets] if cli.buckets else [])

@@ -30,7 +30,6 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
-import common  # noqa: E402
 import tasks  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -109,7 +108,7 @@ def varied_conversations(path, n=3000, seed=0):
         for _ in range(n):
             turns = [turn for record in rng.sample(problems, min(7, int(rng.paretovariate(1.2))))
                      for turn in record["conversations"]]
-            system = " ".join([common.BUILTIN_SYSTEM_PROMPT, *rng.choices(words, k=rng.randint(0, 60))])
+            system = " ".join([tasks.BUILTIN_SYSTEM_PROMPT, *rng.choices(words, k=rng.randint(0, 60))])
             f.write(json.dumps({"system": system, "conversations": turns}) + "\n")
     return path
 

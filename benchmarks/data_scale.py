@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 import common  # noqa: E402
 import data  # noqa: E402
+import loading  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--corpus", required=True, help="a folder of parquet shards (benchmarks/make_corpus.py)")
@@ -111,7 +112,7 @@ if cli.only_prepare:
 
 # ---------------------------------------------------------------------------------------------- index and schedule
 parser = common.get_parser("", "runs/x")
-args = common.parse_args(parser, common.script_presets("ddp_pretrain.py"), ["--model", "qwen2-0.5b"])
+args = common.parse_args(parser, loading.script_presets("ddp_pretrain.py"), ["--model", "qwen2-0.5b"])
 args = common.finalize_args(args, None)
 args.data = [str(work / "prepared-2")]
 start = time.perf_counter()

@@ -110,7 +110,7 @@ def training_prompts(bucket_len):
         parser.add_argument(flag, type=kind)  # its own flags
     parser.add_argument("--reward", default="final-number")
     argv = [str(flag) for flag in grpo_flags(bucket_len)]
-    args = common.finalize_args(common.parse_args(parser, common.script_presets("fsdp2_grpo.py"), argv), None)
+    args = common.finalize_args(common.parse_args(parser, loading.script_presets("fsdp2_grpo.py"), argv), None)
     train, _ = data.load_sft_data(args)
     prompts, answers, _ = grading.answer_prompts(chat_tokenizer, train, len(train.lengths), args.reward)
     return args, prompts, answers

@@ -11,12 +11,13 @@ import sys
 import pytest
 
 import common
+import loading
 from helpers import REPO, check, run_script
 
 STAGES = {"ddp_pretrain.py": "train", "fsdp1_pretrain.py": "train", "fsdp2_pretrain.py": "train",
           "fsdp2_tp_pretrain.py": "train", "fsdp2_cp_pretrain.py": "train", "pp_pretrain.py": "train",
           "fsdp2_sft.py": "sft", "fsdp2_grpo.py": "grpo"}
-PRESETS = {STAGES[script]: common.script_presets(script) for script in STAGES}  # each kind of script's
+PRESETS = {STAGES[script]: loading.script_presets(script) for script in STAGES}  # each kind of script's
 
 
 def parse(stage, flags):

@@ -10,6 +10,7 @@ import torch
 import checkpoints
 import common
 import data
+import loading
 from helpers import BUILTIN_TEXT, TINY_RUN
 
 BUCKETS = [32, 64, 128]
@@ -50,7 +51,7 @@ def parse(flags):
     parser = common.get_parser("", "runs/x")
     common.add_batch_arguments(parser)
     parser.add_argument("--data", nargs="+", default=[str(BUILTIN_TEXT)])  # the pretraining scripts', the tests' copy
-    presets = common.script_presets("ddp_pretrain.py")
+    presets = loading.script_presets("ddp_pretrain.py")
     return common.finalize_args(common.parse_args(parser, presets, [str(flag) for flag in flags]), None)
 
 

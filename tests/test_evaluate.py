@@ -14,6 +14,7 @@ import common
 import data
 import evaluate
 import grading
+import loading
 import modeling
 import plot
 from helpers import SFT_DATA, TINY_RUN, run_script, traceback_through_our_code
@@ -116,7 +117,7 @@ def test_arith_gen_equals_the_sft_scripts_val_accuracy(tiny_run, tmp_path):
     parser = common.get_parser("", str(tmp_path))
     parser.add_argument("--data")  # one folder, as the SFT's
     argv = [*map(str, TINY_RUN), *map(str, SFT_DATA)]
-    args = common.finalize_args(common.parse_args(parser, common.script_presets("fsdp2_sft.py"), argv), None)
+    args = common.finalize_args(common.parse_args(parser, loading.script_presets("fsdp2_sft.py"), argv), None)
     tokenizer = common.get_chat_tokenizer()
     prompts, answers, _ = grading.answer_prompts(tokenizer, data.load_sft_data(args)[1]["builtin-sft"], 8,
                                           "exact-text")

@@ -18,6 +18,7 @@ import loading
 import modeling
 import tasks
 from helpers import REPO, SFT_DATA, check, read_metrics, run_script, tree_hashes
+from prepare_data import encode_conversation
 
 SCRIPTS = ["ddp_pretrain.py", "fsdp1_pretrain.py", "fsdp2_pretrain.py", "fsdp2_tp_pretrain.py", "fsdp2_cp_pretrain.py",
            "pp_pretrain.py", "fsdp2_sft.py", "fsdp2_grpo.py"]
@@ -94,12 +95,12 @@ def test_pipeline_and_generate_py_on_the_export_answer_as_the_checkpoint_does(ex
     # The checkpoint's greedy reply, made here as generate.py --chat makes it: the same text.
     model, _ = loading.load_checkpoint_model(checkpoint_dir)
     tokenizer = common.get_chat_tokenizer()
-    prompt, _ = common.encode_conversation(tokenizer, [("system", common.BUILTIN_SYSTEM_PROMPT), ("user", question)])
+    prompt, _ = encode_conversation(tokenizer, [("system", tasks.BUILTIN_SYSTEM_PROMPT), ("user", question)])
     with torch.no_grad():
         reply = modeling.generate_replies(model, [prompt + [common.SPECIAL_TOKENS["<|assistant|>"]]], 24)[0]
     assert printed == tokenizer.decode(reply).removesuffix(common.END_OF_TURN) + "\n"
     chat = transformers.pipeline("text-generation", model=str(out_dir), device="cpu")
-    messages = [{"role": "system", "content": common.BUILTIN_SYSTEM_PROMPT}, {"role": "user", "content": question}]
+    messages = [{"role": "system", "content": tasks.BUILTIN_SYSTEM_PROMPT}, {"role": "user", "content": question}]
     output = chat(messages, max_new_tokens=24, do_sample=False, skip_special_tokens=False)  # keep the reasoning markers
     reply = output[0]["generated_text"][-1]
     assert reply["role"] == "assistant"

@@ -24,6 +24,7 @@ from helpers import (
     reply_saying,
     run_script,
 )
+from prepare_data import encode_conversation
 
 
 def fixed(mode, *flags, nproc=2):
@@ -33,7 +34,7 @@ def fixed(mode, *flags, nproc=2):
 def builtin_prompt_tokens():
     """The shortest built-in RL prompt (system, user, <|assistant|>): a reply has the bucket (72) less that."""
     tokenizer = common.get_chat_tokenizer()
-    return min(len(common.encode_conversation(tokenizer, prepare_data.conversation_messages(row, "builtin")[:-1])[0])
+    return min(len(encode_conversation(tokenizer, prepare_data.conversation_messages(row, "builtin")[:-1])[0])
                + 1 for row in tasks.builtin_rl_records())
 
 
@@ -104,7 +105,7 @@ def test_the_loss_is_the_policy_gradient_computed_in_plain_pytorch_and_a_rank_wi
                 "--prompts-per-step", 1, "--max-steps", 3, "--lr", 0, "--eval-every", 100, "--eval-generate", 0,
                 "--out-dir", tmp_path / "grpo"))
     tokenizer = common.get_chat_tokenizer()
-    prompt = common.encode_conversation(tokenizer, [("user", QUESTION)])[0] + [common.SPECIAL_TOKENS["<|assistant|>"]]
+    prompt = encode_conversation(tokenizer, [("user", QUESTION)])[0] + [common.SPECIAL_TOKENS["<|assistant|>"]]
     replies = [reply_saying(j) for j in range(10)]
     rewards = torch.tensor([float(j == 7) for j in range(10)])
     advantages = rewards - rewards.mean()
@@ -164,7 +165,7 @@ def test_ranks_whose_replies_end_at_very_different_lengths_or_that_have_no_promp
     check(result)
     train, _ = read_metrics(tmp_path / "grpo")
     assert sorted(train) == [1, 2, 3]
-    prompt = common.encode_conversation(common.get_chat_tokenizer(), [("user", QUESTION)])[0]
+    prompt = encode_conversation(common.get_chat_tokenizer(), [("user", QUESTION)])[0]
     longest = 72 - len(prompt) - 1  # the bucket less the prompt and its <|assistant|>
     short = [row for row in train.values() if row["target_tokens"] == 8]  # rank 0's 8 one-token replies alone
     assert len(short) == 1 and short[0]["reply_tokens"] == 1

@@ -5,7 +5,9 @@ import torch
 import common
 import loading
 import modeling
+import tasks
 from helpers import SFT_DATA, TINY_RUN, check, copy_checkpoint, model_tensors, read_metrics, run_script
+from prepare_data import encode_conversation
 
 NEW_ROWS = slice(common.EOT_ID + 1, common.EOT_ID + 1 + len(common.SPECIAL_TOKENS))
 
@@ -70,7 +72,7 @@ def test_generate_chat_renders_the_trained_format(tiny_run):
     # The same reply, made here by hand: system + user turn as in training, then the assistant marker.
     model, meta = loading.load_checkpoint_model(loading.resolve_checkpoint(out))
     tokenizer = common.get_chat_tokenizer()
-    prompt, _ = common.encode_conversation(tokenizer, [("system", common.BUILTIN_SYSTEM_PROMPT), ("user", question)])
+    prompt, _ = encode_conversation(tokenizer, [("system", tasks.BUILTIN_SYSTEM_PROMPT), ("user", question)])
     with torch.no_grad():
         reply = modeling.generate_replies(model, [prompt + [common.SPECIAL_TOKENS["<|assistant|>"]]], 20)[0]
     stop = [common.SPECIAL_TOKENS[common.END_OF_TURN], common.EOT_ID]

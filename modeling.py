@@ -3,20 +3,13 @@ decoder layer, a forward that returns the loss without ever holding a whole batc
 import functools
 
 import torch
+import transformers
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-from transformers import (
-    LogitsProcessor,
-    LogitsProcessorList,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-)
 
 from common import END_OF_TURN, EOT_ID, IGNORE_INDEX, MODEL_PRESETS, SPECIAL_TOKENS, VOCAB_SIZE
 
 
-class Qwen2WithChunkedLoss(Qwen2ForCausalLM):
+class Qwen2WithChunkedLoss(transformers.Qwen2ForCausalLM):
     """Qwen2ForCausalLM whose forward, given targets (and optional weights and position_ids), returns the summed
     loss (chunked_cross_entropy), inside forward so that FSDP's and DDP's hooks cover the head; without targets, it
     is transformers' own forward (generate() uses it)."""
@@ -33,15 +26,11 @@ class Qwen2WithChunkedLoss(Qwen2ForCausalLM):
 def build_model(preset, activation_checkpointing="full"):
     """A Qwen2WithChunkedLoss with the GPT-2 vocabulary and activation checkpointing, "full" or "selective", in
     transformers' own init (normal(0, 0.02) matrices, zero biases): the first loss sits at ln(50,304) = 10.83."""
-    config = Qwen2Config(
-        vocab_size=VOCAB_SIZE, **MODEL_PRESETS[preset]["model"],
-        max_position_embeddings=32_768, rope_parameters={"rope_type": "default",
-                                                         "rope_theta": MODEL_PRESETS[preset]["rope_theta"]},
-        rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.02,
-        bos_token_id=EOT_ID, eos_token_id=EOT_ID, pad_token_id=EOT_ID, use_cache=False,
-        attn_implementation="sdpa",
-    )
-    model = Qwen2WithChunkedLoss(config)
+    rope = {"rope_type": "default", "rope_theta": MODEL_PRESETS[preset]["rope_theta"]}
+    model = Qwen2WithChunkedLoss(transformers.Qwen2Config(
+        vocab_size=VOCAB_SIZE, **MODEL_PRESETS[preset]["model"], max_position_embeddings=32_768, rope_parameters=rope,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.02, bos_token_id=EOT_ID, eos_token_id=EOT_ID,
+        pad_token_id=EOT_ID, use_cache=False, attn_implementation="sdpa"))
     # Recompute each decoder layer in backward instead of storing its activations (non-reentrant).
     checkpoint_kwargs = {"use_reentrant": False}
     if activation_checkpointing == "selective":  # torch's selective checkpointing: a policy per op
@@ -135,10 +124,8 @@ def flops_per_token(n_params, config, seq_len):
 
 def local_state_sizes(model, optimizer):
     """Elements of parameters and of optimizer state this rank really stores (a DTensor counts its shard)."""
-    from torch.distributed.tensor import DTensor
-
     def local(tensor):
-        return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
     param_elements = sum(local(p).numel() for p in model.parameters())
     optimizer_elements = sum(local(v).numel() for state in optimizer.state.values() for v in state.values()
@@ -146,12 +133,10 @@ def local_state_sizes(model, optimizer):
     return param_elements, optimizer_elements
 
 
-class InverseCdfSampler(LogitsProcessor):
-    """Draws each row's next token from the softmax of its scores by inverse CDF (the first token whose cumulative
-    probability exceeds a uniform draw), and returns scores in which only that token is finite, for a greedy step
-    to pick. The same distribution as transformers' own sampling, whose torch.multinomial takes 1.5-2 ms a row over
-    the 50,304-token vocabulary on a CPU (pytorch#30968), most of a sampled reply's time: with this, a sampled
-    evaluation takes less than half as long (BENCHMARKS.md)."""
+class InverseCdfSampler(transformers.LogitsProcessor):
+    """Draws each row's next token from its softmax by inverse CDF, and leaves only that token's score finite, for a
+    greedy step to pick: transformers' sampling distribution without torch.multinomial, whose 1.5-2 ms a row on a CPU
+    (pytorch#30968) is most of a sampled reply's time (BENCHMARKS.md)."""
 
     def __call__(self, input_ids, scores):
         cumulative = torch.softmax(scores, dim=-1).cumsum(dim=-1)
@@ -161,22 +146,19 @@ class InverseCdfSampler(LogitsProcessor):
 
 
 def generate_replies(model, prompts, max_new_tokens, temperature=0.0, top_k=None, synced=False):
-    """Continue every prompt (a list of token lists) with transformers' own generate, batched with left
-    padding; stops at <|end_of_turn|>. synced=True keeps every rank stepping until all are done, as sharded
-    models need (each forward is collective). Returns the new tokens of each prompt, up to and with its stop token."""
-    if not prompts:
-        prompts, drop = [[EOT_ID]], True  # a rank with no prompt still has to join the collective forwards
-    else:
-        drop = False
+    """The new tokens of each prompt (token lists), up to and with its stop token, from transformers' generate with left
+    padding; synced=True keeps every rank stepping until all are done, as sharded models need."""
+    drop = not prompts
+    prompts = prompts or [[EOT_ID]]  # a rank with no prompt still has to join the collective forwards
     width = max(len(p) for p in prompts)
     device = next(model.parameters()).device
     input_ids = torch.tensor([[EOT_ID] * (width - len(p)) + list(p) for p in prompts], device=device)
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     sampling = {}
     if temperature > 0:  # greedy decoding over scores in which only the drawn token is finite (InverseCdfSampler)
-        top_k_warper = [TopKLogitsWarper(top_k)] if top_k else []
-        warpers = [TemperatureLogitsWarper(temperature), *top_k_warper, InverseCdfSampler()]
-        sampling = dict(logits_processor=LogitsProcessorList(warpers))
+        top_k_warper = [transformers.TopKLogitsWarper(top_k)] if top_k else []
+        warpers = [transformers.TemperatureLogitsWarper(temperature), *top_k_warper, InverseCdfSampler()]
+        sampling = dict(logits_processor=transformers.LogitsProcessorList(warpers))
     with torch.compiler.set_stance("force_eager"):  # under --compile, every generated length would be a new graph
         output = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
                                 eos_token_id=[SPECIAL_TOKENS[END_OF_TURN], EOT_ID], pad_token_id=EOT_ID,

@@ -94,13 +94,10 @@ def find_resume_checkpoint(args, checkpoint_root, script):
                                 f"fresh, or check --out-dir")
     checkpoint_dir = existing[-1] if args.resume == "latest" else Path(args.resume)
     meta = read_meta(checkpoint_dir, "--resume")
-    if "export" in meta:
-        raise common.UsageError(f"--resume {checkpoint_dir} is an export_hf.py folder, which no script resumes: pass "
-                                f"a checkpoint folder, or the folder to --init-from")
-    resumed_by = meta.get("resumed_by", [meta["script"]])  # as its writer named them (older checkpoints: itself)
-    if script not in resumed_by:
+    resumed_by = [f"{name}.py" for name in meta.get("resumed_by", [meta["script"]])]  # an export's: none
+    if f"{script}.py" not in resumed_by:
         raise common.UsageError(f"--resume {checkpoint_dir} was written by {meta['script']}.py, not {script}.py: "
-                                f"resume it with {' or '.join(f'{name}.py' for name in resumed_by)}")
+                                f"resume it with {' or '.join(resumed_by) or 'none (an export: --init-from it)'}")
     if meta["model"] != args.model:
         raise common.UsageError(f"--resume {checkpoint_dir} holds a '{meta['model']}' model: pass --model "
                                 f"{meta['model']}")
@@ -167,8 +164,8 @@ def is_hf_folder(path):
 
 
 def hf_state_dict(path):
-    """Whole tensors of an exported folder, named as in the model; the tied head is stored once, so it is added back.
-    The Llama form's o_proj biases (export_hf.py) are zeros that our Qwen2 layers do not have: dropped, if zero."""
+    """Whole tensors of an exported folder, named as in the model: the tied head added back, and the Llama form's
+    o_proj biases (export_hf.py), which our Qwen2 does not have, dropped if zero."""
     from safetensors.torch import load_file
 
     state = load_file(Path(path) / "model.safetensors")

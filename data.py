@@ -1,7 +1,6 @@
-"""The data every script reads: folders written by prepare_data.py (the token ids of every document one after
-another, in one uint16 file), memory-mapped, one per source of --data. Samples, the validation splits and each
-epoch's length-bucketed schedule are flat numpy arrays over them, never a Python object per sample; a mixture of
-sources gives each its share of an epoch's tokens; collate copies a batch's rows out of the maps."""
+"""The data every script reads: folders of prepare_data.py (every document's token ids in one uint16 file),
+memory-mapped. Samples, validation splits, mixtures and each epoch's length-bucketed schedule are flat numpy arrays
+over them, never a Python object per sample; collate copies a batch's rows out of the maps."""
 import hashlib
 import json
 from pathlib import Path
@@ -16,8 +15,7 @@ PREPARED_FORMAT, PREPARED_VERSION = "llm-reference-tokens", 1
 
 
 def tokenizer_identity(chat_format):
-    """What a prepared folder's ids depend on: the encoding (common.get_tokenizer's, or get_chat_tokenizer's with the
-    chat markers), its BPE files and its special tokens."""
+    """What a prepared folder's ids depend on: the encoding (with the chat markers or not), its files and markers."""
     special_tokens = {"<|endoftext|>": common.EOT_ID, **(common.SPECIAL_TOKENS if chat_format else {})}
     return {"name": "gpt2-chat" if chat_format else "gpt2", "vocab_bpe_sha256": common.GPT2_VOCAB_BPE_SHA256,
             "encoder_json_sha256": common.GPT2_ENCODER_JSON_SHA256,
@@ -107,8 +105,7 @@ class Split(NamedTuple):
     """The samples of one split, as flat arrays over the memory-mapped sources: sample i is
     tokens[sources[i]][starts[i]:starts[i] + lengths[i]]; target_counts[i] of its positions carry a loss."""
     tokens: list  # each source's token ids
-    masks: list  # each source's loss mask (conversations: 1 on the assistant's tokens), or None: every token but a
-    #              sample's first is a target
+    masks: list  # each source's loss mask (1 on an assistant's tokens), or None: every token but a sample's first
     sources: np.ndarray
     starts: np.ndarray
     lengths: np.ndarray

@@ -36,10 +36,8 @@ def solution_text(tokenizer, token_ids):
 
 
 def answer_prompts(tokenizer, split, limit, reward):
-    """Up to `limit` (prompt, reference answer) pairs of a split: the prompt is a conversation up to and with
-    its last <|assistant|> marker; the answer is the reference reply's, as reply_answer reads it with
-    `reward` (exact-text: the text between the solution markers). Conversations whose reply has none are left out.
-    Also returns a reply-length bound."""
+    """Prompts (up to and with the last <|assistant|>) and reference answers (reply_answer's) of up to `limit`
+    conversations of a split, those with an answer; and a bound on a reply's length."""
     prompts, answers, longest = [], [], 0
     for i in range(min(limit, len(split.lengths))):
         tokens = data.sample_tokens(split, i)
@@ -52,10 +50,7 @@ def answer_prompts(tokenizer, split, limit, reward):
     return prompts, answers, longest + 16
 
 
-
 def is_worked(tokenizer, token_ids):
     """Whether a reply is in the worked mode: its thought holds anything."""
-    text = common.decode(tokenizer, token_ids)
-    if "<|begin_of_thought|>" not in text or "<|end_of_thought|>" not in text:
-        return False
-    return bool(text.split("<|begin_of_thought|>", 1)[1].split("<|end_of_thought|>", 1)[0].strip())
+    thought = common.decode(tokenizer, token_ids).partition("<|begin_of_thought|>")[2]
+    return "<|end_of_thought|>" in thought and bool(thought.partition("<|end_of_thought|>")[0].strip())

@@ -1,5 +1,5 @@
-"""What every script measures and logs: MFU against the device's peak, peak memory per step, the metrics file, and
-the stop on a non-finite loss."""
+"""What every script measures and logs: MFU against the device's peak, peak memory, the metrics file, and the stop on
+a non-finite loss."""
 import json
 import math
 import os
@@ -22,9 +22,7 @@ PEAK_BF16_FLOPS = {
 
 
 def device_peak_flops(device):
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "a CPU"
     return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
 
 
@@ -46,7 +44,7 @@ def peak_reserved_memory_gb(device):
     return torch.cuda.max_memory_reserved(device) / 1e9 if device.type == "cuda" else None
 
 
-def open_metrics(path, resumed_step=None):
+def open_metrics(path, resumed_step):
     """metrics.jsonl, opened for appending rows. On resume, rows after the checkpoint's step (written by the
     run that crashed after it, and about to be trained again) are dropped first, so every step appears once."""
     path = Path(path)

@@ -10,8 +10,7 @@ import common
 
 
 class CheckpointError(common.ReportedError):
-    """A checkpoint (or an exported folder) damaged since it was written, or whose tensors do not fit the model: not a
-    flag's fault, though another --resume or --init-from may avoid it. Exit status 3."""
+    """A checkpoint (or export) damaged since it was written, or whose tensors do not fit the model. Exit status 3."""
     exit_status = 3
 
 
@@ -55,9 +54,8 @@ def commit_checkpoint(partial_dir, args, script, step, world_size, data_order, r
 
 def remove_incomplete_checkpoints(checkpoint_root):
     """Rank 0, on start: free the disk of a crashed run's uncommitted saves and unfinished deletions."""
-    for prefix in (".partial_step_", ".removing_step_"):
-        for leftover in Path(checkpoint_root).glob(f"{prefix}*"):
-            shutil.rmtree(leftover, ignore_errors=True)
+    for leftover in [*Path(checkpoint_root).glob(".partial_step_*"), *Path(checkpoint_root).glob(".removing_step_*")]:
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 def read_meta(checkpoint_dir, flag):

@@ -121,11 +121,9 @@ COUNT, NON_NEGATIVE_INT, NON_NEGATIVE = number(int, 1), number(int, 0), number(f
 
 def boolean(text):
     """An argparse type for a switch that takes a value: true or false (also yes/no, 1/0)."""
-    if text.lower() in ("true", "yes", "1"):
-        return True
-    if text.lower() in ("false", "no", "0"):
-        return False
-    raise argparse.ArgumentTypeError(f"must be true or false, got {text}")
+    if text.lower() not in ("true", "yes", "1", "false", "no", "0"):
+        raise argparse.ArgumentTypeError(f"must be true or false, got {text}")
+    return text.lower() in ("true", "yes", "1")
 
 
 def bucket_lengths(text):
@@ -147,8 +145,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose errors are one line (a UsageError: `error: ...` from rank 0, exit status 2, no usage block), and
-    where a typo such as --max-step is an error, not an abbreviation of --max-steps."""
+    """argparse whose errors are one line (a UsageError, exit status 2); --max-step is a typo, not a prefix."""
 
     def __init__(self, description, add_help=True):
         super().__init__(description=description, formatter_class=HelpFormatter, allow_abbrev=False, add_help=add_help)
@@ -158,8 +155,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def parse_args(parser, presets, argv=None):
-    """A training script's flags, those left unset taking their --model preset's values from the script's PRESETS:
-    --model is read first, so that `--model tiny --help` shows tiny's."""
+    """A training script's flags, those unset from its PRESETS for --model (`--model M --help` shows M's)."""
     parser.set_defaults(**presets[parser.parse_known_args(argv)[0].model])
     parser.add_argument("-h", "--help", action="help", help="show this message and exit")
     args = parser.parse_args(argv)
@@ -170,8 +166,7 @@ def parse_args(parser, presets, argv=None):
 
 
 def get_parser(description, default_out_dir):
-    """The parser of a training script, with the flags they share (each script adds its own --data and --init-from);
-    parse_args sets the defaults the script's PRESETS give the --model preset (those left None here among them)."""
+    """The flags every training script shares (each adds its own --data and --init-from; parse_args, PRESETS')."""
     parser = ArgumentParser(description, add_help=False)  # --help comes last, once the preset's values are in
     add = parser.add_argument
     add("--model", default="small", choices=list(MODEL_PRESETS), help="shape and defaults (`--model M --help`: M's)")
@@ -213,8 +208,7 @@ def add_batch_arguments(parser):
 
 
 def finalize_args(args, tokens_per_step):
-    """Check what no single flag's type can, before anything heavy (or collective), and set --max-steps from
-    --max-tokens and tokens_per_step, the positions one optimizer step computes (each script counts its own)."""
+    """Check what no flag's type can, before anything heavy; --max-tokens sets --max-steps."""
     if args.max_tokens is not None:
         args.max_steps = -(-args.max_tokens // tokens_per_step)
     if Path(args.out_dir).exists() and not Path(args.out_dir).is_dir():
@@ -228,8 +222,7 @@ def flag_values(args):
 
 
 def write_config(args, script, world_size, device, dtype, n_params, step_tokens):
-    """Rank 0, at the start: the resolved configuration, printed as one block and written to <out-dir>/config.json.
-    step_tokens: the positions one optimizer step computes (finalize_args)."""
+    """Rank 0, at the start: the resolved configuration, printed as one block and written to <out-dir>/config.json."""
     total_tokens = step_tokens * args.max_steps
     config = {"script": script, "world_size": world_size, "device": str(device),
               "dtype": str(dtype).removeprefix("torch."), "parameters": n_params, "tokens_per_step": step_tokens,

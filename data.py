@@ -243,19 +243,16 @@ def epoch_schedule(lengths, buckets, tokens_per_batch, world_size, grad_accum, s
     rng = np.random.default_rng([seed, epoch])
     bucket_of = np.searchsorted(buckets, np.asarray(lengths)[epoch_ids])  # the smallest bucket that holds each
     samples, starts, ends, bucket_lens = [], [], [], []
-    offset = 0
     for b, bucket_len in enumerate(buckets):
         members = epoch_ids[rng.permutation(np.flatnonzero(bucket_of == b))]
         per_step = bucket_batch_size(tokens_per_batch, bucket_len) * grad_accum * world_size
-        step_starts = np.arange(0, len(members), per_step)
+        step_starts, offset = np.arange(0, len(members), per_step), sum(map(len, samples))
         samples.append(members)
         starts.append(offset + step_starts)
         ends.append(offset + np.minimum(step_starts + per_step, len(members)))
         bucket_lens.append(np.full(len(step_starts), bucket_len))
-        offset += len(members)
-    steps = np.arange(sum(len(s) for s in starts))
-    if order == "shuffled":
-        steps = rng.permutation(len(steps))
+    n_steps = sum(map(len, starts))
+    steps = rng.permutation(n_steps) if order == "shuffled" else np.arange(n_steps)
     return Schedule(np.concatenate(samples), np.concatenate(starts)[steps], np.concatenate(ends)[steps],
                     np.concatenate(bucket_lens)[steps])
 

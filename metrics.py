@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 import common
 
@@ -71,8 +72,6 @@ def stop_if_nonfinite(step, loss, grad_norm):
     on inf or NaN all ranks stop together here, so the weights, and any later checkpoint, never see it."""
     if math.isfinite(loss) and math.isfinite(grad_norm):
         return
-    import torch.distributed as dist
-
     dist.barrier()  # leave the way a finished run does: no rank tears gloo down under another
     dist.destroy_process_group()
     time.sleep(0.2)  # and gloo's threads free the last collectives' tensors before Python exits

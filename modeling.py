@@ -127,10 +127,9 @@ def local_state_sizes(model, optimizer):
     def local(tensor):
         return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
-    param_elements = sum(local(p).numel() for p in model.parameters())
-    optimizer_elements = sum(local(v).numel() for state in optimizer.state.values() for v in state.values()
-                             if torch.is_tensor(v) and v.dim() > 0)  # AdamW's moments, not its step counters
-    return param_elements, optimizer_elements
+    return (sum(local(p).numel() for p in model.parameters()),
+            sum(local(v).numel() for state in optimizer.state.values() for v in state.values()
+                if torch.is_tensor(v) and v.dim() > 0))  # AdamW's moments, not its step counters
 
 
 class InverseCdfSampler(transformers.LogitsProcessor):

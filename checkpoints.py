@@ -1,6 +1,5 @@
-"""Checkpoint bookkeeping shared by every script: find, commit, verify and prune checkpoint folders; the --resume
-and --init-from lookups and the checks on a resume; reading an exported Hugging Face folder. How each strategy saves
-and loads its state (DCP or torch.save) is written out in the scripts; loading.py reads any of them for the tools."""
+"""Checkpoint bookkeeping shared by every script: find, commit, verify and prune; --resume and --init-from, found and
+checked; an export read back. Each strategy's save and load is in its script; loading.py reads any, for the tools."""
 import json
 import os
 import shutil

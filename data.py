@@ -1,6 +1,5 @@
-"""The data every script reads: folders of prepare_data.py (every document's token ids in one uint16 file),
-memory-mapped. Samples, validation splits, mixtures and each epoch's length-bucketed schedule are flat numpy arrays
-over them, never a Python object per sample; collate copies a batch's rows out of the maps."""
+"""The data every script reads: prepare_data.py's folders, memory-mapped. Samples, validation splits, mixtures and
+each epoch's bucketed schedule are numpy arrays over them, never an object per sample; collate copies a batch out."""
 import hashlib
 import json
 from pathlib import Path

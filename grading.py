@@ -1,6 +1,5 @@
-"""How a reply is graded, alike by the SFT's accuracy, GRPO's reward and evaluate.py: its answer (the text between the
-solution markers, or its final number) and its mode (worked or direct); and a split's prompts with their reference
-answers, read the same way."""
+"""How a reply is graded, alike by the SFT's accuracy, GRPO's reward and evaluate.py: its answer (between the solution
+markers, or its final number) and its mode; and a split's prompts with their reference answers."""
 import re
 
 import common

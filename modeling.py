@@ -10,9 +10,8 @@ from common import END_OF_TURN, EOT_ID, IGNORE_INDEX, MODEL_PRESETS, SPECIAL_TOK
 
 
 class Qwen2WithChunkedLoss(transformers.Qwen2ForCausalLM):
-    """Qwen2ForCausalLM whose forward, given targets (and optional weights and position_ids), returns the summed
-    loss (chunked_cross_entropy), inside forward so that FSDP's and DDP's hooks cover the head; without targets, it
-    is transformers' own forward (generate() uses it)."""
+    """Qwen2ForCausalLM whose forward, given targets, returns the summed loss (chunked_cross_entropy), inside forward
+    so that the wrappers' hooks cover the head; without targets, transformers' own (for generate())."""
 
     def forward(self, input_ids=None, targets=None, weights=None, position_ids=None, **kwargs):
         if targets is None and weights is None:  # transformers' own (labels=: its loss on full logits, as Trainer's)
@@ -64,9 +63,8 @@ LOSS_CHUNK_ROWS = {"cpu": 128, "cuda": 4096}
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
-    """Summed cross-entropy of hidden @ weight.T (each row's times row_weights, if given), a chunk of rows at a time,
-    each chunk's gradients made at once: no chunk's logits outlive it, the plain loss's FLOPs in a fraction of its
-    memory."""
+    """Summed cross-entropy of hidden @ weight.T (rows times row_weights, if given), a chunk at a time, each chunk's
+    gradients made at once: no chunk's logits outlive it, the plain loss's FLOPs in a fraction of its memory."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, row_weights):
@@ -101,9 +99,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
 
 def chunked_cross_entropy(hidden, weight, targets, weights=None):
-    """Sum of -log p(target) (times its weight, if weights are given) over the positions whose target is not
-    IGNORE_INDEX: logits only there, so padding and prompts cost nothing in the head. Eager: its shapes hang on the
-    data."""
+    """Sum of -log p(target) (times weights, if given) where the target is not IGNORE_INDEX: logits only there, so
+    padding and prompts cost nothing in the head. Eager: its shapes hang on the data."""
     if not torch.is_grad_enabled():  # evaluation: apply() would see the weight's requires_grad and make its gradient
         hidden, weight = hidden.detach(), weight.detach()
     is_target = targets != IGNORE_INDEX
@@ -133,9 +130,8 @@ def local_state_sizes(model, optimizer):
 
 
 class InverseCdfSampler(transformers.LogitsProcessor):
-    """Draws each row's next token from its softmax by inverse CDF, and leaves only that token's score finite, for a
-    greedy step to pick: transformers' sampling distribution without torch.multinomial, whose 1.5-2 ms a row on a CPU
-    (pytorch#30968) is most of a sampled reply's time (BENCHMARKS.md)."""
+    """Draws each row's next token by inverse CDF, leaving only its score finite for a greedy step: transformers'
+    distribution without torch.multinomial, most of a sampled reply's time on a CPU (pytorch#30968; BENCHMARKS.md)."""
 
     def __call__(self, input_ids, scores):
         cumulative = torch.softmax(scores, dim=-1).cumsum(dim=-1)

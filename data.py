@@ -276,10 +276,10 @@ def collate(split, sample_ids, bucket_len, batch_size):
 # ----------------------------------------------------------------------------------------------
 # The data order: what the sequence of training samples depends on.
 
-def data_order(args, train, val, world_size, samples_per_rank, batch_flags):
+def data_order(args, train, val, world_size, samples_per_rank, batch_flags, bucket_order):
     """What the order of the training samples depends on, for every checkpoint's meta.json: a resume may not change it
     (checkpoints.check_resume). samples_per_rank: a step's samples per bucket on each rank that reads its own, set by
-    batch_flags. Checks first that every rank and every validation split gets samples."""
+    batch_flags; bucket_order: the steps' (an epoch_schedule order). Checks first that every split gets samples."""
     if len(train.lengths) < world_size:
         raise common.UsageError(f"the data gives {len(train.lengths)} training samples, fewer than the {world_size} "
                                 f"ranks: use more --data or fewer ranks")
@@ -288,6 +288,6 @@ def data_order(args, train, val, world_size, samples_per_rank, batch_flags):
             raise common.UsageError(f"the validation split of {name} is empty: use more --data or a larger "
                                     f"--val-fraction")
     return {"data_sha256": train.content_sha256, "val_fraction": args.val_fraction, "buckets": args.buckets,
-            "seed": args.seed, "world_size": world_size, "bucket_order": getattr(args, "bucket_order", None),
+            "seed": args.seed, "world_size": world_size, "bucket_order": bucket_order,
             "samples_per_step": [n * world_size for n in samples_per_rank],
             "batch_flags": batch_flags}

@@ -60,7 +60,8 @@ init_dir = None if resume_dir or not args.init_from else checkpoints.find_init_c
 train, val = data.load_pretraining_data(args)
 # What the sample order depends on (checked: enough samples); a step takes a batch per micro-batch on each rank.
 samples_per_rank = [data.bucket_batch_size(args.tokens_per_batch, length) * args.grad_accum for length in args.buckets]
-data_order = data.data_order(args, train, val, world_size, samples_per_rank, ["tokens_per_batch", "grad_accum"])
+data_order = data.data_order(args, train, val, world_size, samples_per_rank, ["tokens_per_batch", "grad_accum"],
+                             args.bucket_order)
 checkpoints.check_resume(resume_dir, args, data_order)  # --resume: the same data order; says which other flags changed
 
 # ---------------------------------------------------------------------------------------------- distributed

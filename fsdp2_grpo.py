@@ -88,7 +88,7 @@ tokenizer = common.get_chat_tokenizer()  # GPT-2 BPE plus the role and reasoning
 # Problems with reference answers (a conversation's reply, or a bare answer): the prompts and their answers.
 train, val = data.load_sft_data(args)
 # What the sample order depends on (checked: enough samples); a step takes prompts_per_step prompts on each rank.
-data_order = data.data_order(args, train, val, world_size, [args.prompts_per_step], ["prompts_per_step"])
+data_order = data.data_order(args, train, val, world_size, [args.prompts_per_step], ["prompts_per_step"], "shuffled")
 checkpoints.check_resume(resume_dir, args, data_order)  # --resume: the same data order; says which other flags changed
 # A prompt is a conversation up to its last <|assistant|>; its answer, the reference reply's as --reward reads it.
 train_prompts, train_answers, _ = grading.answer_prompts(tokenizer, train, len(train.lengths), args.reward)

@@ -223,7 +223,7 @@ def test_collate_copies_rows_out_of_the_memory_map(builtin_splits):
 def test_the_data_order_is_returned_and_nothing_is_written_into_args(builtin_args, builtin_splits):
     before = dict(vars(builtin_args))
     per_rank = [data.bucket_batch_size(builtin_args.tokens_per_batch, length) for length in builtin_args.buckets]
-    order = data.data_order(builtin_args, *builtin_splits, 2, per_rank, ["tokens_per_batch", "grad_accum"])
+    order = data.data_order(builtin_args, *builtin_splits, 2, per_rank, ["tokens_per_batch", "grad_accum"], "shuffled")
     assert vars(builtin_args) == before
     assert order["samples_per_step"] == [2 * n for n in per_rank] and order["seed"] == builtin_args.seed
     assert order["batch_flags"] == ["tokens_per_batch", "grad_accum"]
@@ -232,13 +232,13 @@ def test_the_data_order_is_returned_and_nothing_is_written_into_args(builtin_arg
 
 def test_a_resume_may_change_the_ranks_but_not_the_samples_per_step(builtin_args, builtin_splits, tmp_path):
     per_rank = [data.bucket_batch_size(builtin_args.tokens_per_batch, length) for length in builtin_args.buckets]
-    flags = ["tokens_per_batch", "grad_accum"]
-    order = data.data_order(builtin_args, *builtin_splits, 2, per_rank, flags)
+    flags = ["tokens_per_batch", "grad_accum"], "shuffled"
+    order = data.data_order(builtin_args, *builtin_splits, 2, per_rank, *flags)
     meta = {"script": "a", "model": builtin_args.model, "step": 1, "data_order": order, "config": {}}
     (tmp_path / "meta.json").write_text(json.dumps(meta))
-    one_rank_twice_the_batch = data.data_order(builtin_args, *builtin_splits, 1, [2 * n for n in per_rank], flags)
+    one_rank_twice_the_batch = data.data_order(builtin_args, *builtin_splits, 1, [2 * n for n in per_rank], *flags)
     checkpoints.check_resume(tmp_path, builtin_args, one_rank_twice_the_batch)  # the same samples per step: accepted
-    one_rank = data.data_order(builtin_args, *builtin_splits, 1, per_rank, flags)
+    one_rank = data.data_order(builtin_args, *builtin_splits, 1, per_rank, *flags)
     with pytest.raises(common.UsageError) as error:
         checkpoints.check_resume(tmp_path, builtin_args, one_rank)
     assert str(error.value).startswith("--tokens-per-batch x --grad-accum x ranks (a step's samples per bucket) differ")

@@ -28,7 +28,7 @@ DIFFS = {
         {"preamble": 38, "setup": 14, "data": 13, "model": 2, "init from a checkpoint": 17, "checkpoint": 3,
          "evaluation": 16, "end": 4},
     ("fsdp2_sft.py", "fsdp2_grpo.py"):  # prompts and rewards, rollouts, the advantage and the policy-gradient loss
-        {"preamble": 28, "setup": 21, "data": 24, "wrap": 3, "init from a checkpoint": 9, "resume": 5,
+        {"preamble": 28, "setup": 21, "data": 25, "wrap": 3, "init from a checkpoint": 9, "resume": 5,
          "evaluation": 11, "rollouts": 11, "training loop": 78},
 }
 SECTION = re.compile(r"^# -{20,} (.+)$")

@@ -119,12 +119,13 @@ def check_resume(resume_dir, args, data_order):
     if resume_dir is None:
         return
     meta = read_meta(resume_dir, "--resume")
-    batch = " x ".join(f"--{name.replace('_', '-')}" for name in data_order["batch_flags"])  # the ranks may change
-    for key, flag in {**ORDER_FLAGS, "samples_per_step": f"{batch} x ranks (a step's samples per bucket)"}.items():
+    batch = " x ".join(f"--{name.replace('_', '-')} {getattr(args, name)}" for name in data_order["batch_flags"])
+    samples = f"{batch} x {data_order['world_size']} ranks (samples per step by bucket)"  # the ranks may change
+    for key, flag in {**ORDER_FLAGS, "samples_per_step": samples}.items():
         if key in data_order and meta["data_order"].get(key) != data_order[key]:
             raise common.UsageError(f"{flag} differs from the run of --resume {resume_dir} ({data_order[key]} here, "
-                                    f"{meta['data_order'].get(key)} there), and the data order depends on it: resume "
-                                    f"with its {flag}")
+                                    f"{meta['data_order'].get(key)} there), and the data order depends on it: keep it "
+                                    f"as it was")
     before, now = meta.get("config", {}), common.flag_values(args)  # every flag of the checkpoint's run, and this one's
     changed = [f"--{name.replace('_', '-')} {value} (was {before[name]})" for name, value in now.items()
                if name in before and name not in UNREPORTED_FLAGS and before[name] != value]

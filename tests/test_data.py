@@ -241,4 +241,4 @@ def test_a_resume_may_change_the_ranks_but_not_the_samples_per_step(builtin_args
     one_rank = data.data_order(builtin_args, *builtin_splits, 1, per_rank, *flags)
     with pytest.raises(common.UsageError) as error:
         checkpoints.check_resume(tmp_path, builtin_args, one_rank)
-    assert str(error.value).startswith("--tokens-per-batch x --grad-accum x ranks (a step's samples per bucket) differ")
+    assert str(error.value).startswith(f"--tokens-per-batch {builtin_args.tokens_per_batch} x --grad-accum 1 x 1 ranks")

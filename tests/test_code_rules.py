@@ -85,7 +85,7 @@ def test_no_method_is_replaced_at_run_time():
 SHARED_IMPORTS = {"common": set(), "modeling": {"common"}, "metrics": {"common"}, "tasks": {"common"},
                   "grading": {"common", "data"},
                   "prepare_data": {"common", "data", "tasks"}, "data": {"common"},
-                  "checkpoints": {"common", "modeling"}, "loading": {"checkpoints", "common", "modeling"}}
+                  "checkpoints": {"common"}, "loading": {"checkpoints", "common", "modeling"}}
 TOOLS = ["generate.py", "export_hf.py", "evaluate.py", "plot.py"]
 TOP_LEVEL = sorted(p for p in REPO.glob("*.py"))
 
@@ -164,6 +164,35 @@ def test_imports_run_one_way_with_no_cycle():
 
     for module in graph:
         visit(module, [])
+
+
+HIDDEN_IMPORTS = {"importlib.import_module", "__import__", "exec", "runpy.run_path", "runpy.run_module"}
+
+
+def hidden_loads(source):
+    """The calls in `source` that load code out of an import's sight: importlib, __import__, exec, runpy, or a
+    subprocess given a .py file to run."""
+    found = []
+    for call in calls(ast.parse(source)):
+        texts = [node.value for node in ast.walk(call) if isinstance(node, ast.Constant)]
+        runs_a_file = call_name(call).startswith(("subprocess.", "os.system", "os.exec")) and any(
+            isinstance(text, str) and text.endswith(".py") for text in texts)
+        if call_name(call) in HIDDEN_IMPORTS or runs_a_file:
+            found.append(f"{call.lineno}: {call_name(call)}")
+    return found
+
+
+@pytest.mark.parametrize("name", [*TRAINING_SCRIPTS, *(f"{module}.py" for module in SHARED_IMPORTS)])
+def test_no_project_code_is_loaded_out_of_the_readers_sight(name):
+    """The reader's path (../shared/tools/reader_path.py) follows imports: no training script or shared module loads
+    code another way."""
+    assert not hidden_loads((REPO / name).read_text()), name
+
+
+def test_the_hidden_load_check_sees_each_way():
+    source = ("import importlib, subprocess\nimportlib.import_module('data')\n__import__('data')\n"
+              "subprocess.run(['python', 'data.py'])\nsubprocess.run(['ls'])\n")
+    assert hidden_loads(source) == ["2: importlib.import_module", "3: __import__", "4: subprocess.run"]
 
 
 def test_the_import_check_sees_lazy_imports(tmp_path):

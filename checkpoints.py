@@ -57,8 +57,9 @@ def remove_incomplete_checkpoints(checkpoint_root):
         shutil.rmtree(leftover, ignore_errors=True)
 
 
-def read_meta(checkpoint_dir, flag):
-    """The meta.json of a complete checkpoint (or export_hf.py) folder whose files have their sizes, else one line."""
+def read_meta(checkpoint_dir, flag, model=None):
+    """The meta.json of a complete checkpoint (or export_hf.py) folder whose files have their sizes, and of `model`
+    if given; else one line."""
     try:
         meta = json.loads((Path(checkpoint_dir) / "meta.json").read_text())
     except (OSError, ValueError):
@@ -72,6 +73,9 @@ def read_meta(checkpoint_dir, flag):
             found = f"{path.stat().st_size} bytes" if path.is_file() else "missing"
             raise CheckpointError(f"{flag} {checkpoint_dir} is damaged: {name} is {found}, {size} bytes were "
                                   f"written; pass an older checkpoint folder")
+    if model is not None and meta["model"] != model:
+        raise common.UsageError(f"{flag} {checkpoint_dir} holds a '{meta['model']}' model: pass --model "
+                                f"{meta['model']}")
     return meta
 
 
@@ -90,14 +94,11 @@ def find_resume_checkpoint(args, checkpoint_root, script):
         raise common.UsageError(f"--resume: no complete checkpoint under {checkpoint_root}: drop --resume to start "
                                 f"fresh, or check --out-dir")
     checkpoint_dir = existing[-1] if args.resume == "latest" else Path(args.resume)
-    meta = read_meta(checkpoint_dir, "--resume")
+    meta = read_meta(checkpoint_dir, "--resume", args.model)
     resumed_by = [f"{name}.py" for name in meta.get("resumed_by", [meta["script"]])]  # an export's: none
     if f"{script}.py" not in resumed_by:
         raise common.UsageError(f"--resume {checkpoint_dir} was written by {meta['script']}.py, not {script}.py: "
                                 f"resume it with {' or '.join(resumed_by) or 'none (an export: --init-from it)'}")
-    if meta["model"] != args.model:
-        raise common.UsageError(f"--resume {checkpoint_dir} holds a '{meta['model']}' model: pass --model "
-                                f"{meta['model']}")
     newer = [p for p in existing if int(p.name[5:]) > meta["step"]]
     if newer:  # saving on from here would collide with them
         raise common.UsageError(f"--resume {checkpoint_dir}: {checkpoint_root} already holds newer checkpoints "
@@ -142,14 +143,11 @@ def find_init_checkpoint(args, writers):
         raise common.UsageError(f"--init-from {args.init_from} holds no complete checkpoint: run `torchrun "
                                 f"--standalone --nproc_per_node=2 {writers[0]}.py --model {args.model}` first, or pass "
                                 f"a checkpoint folder or a run folder")
-    meta = read_meta(checkpoint_dir, "--init-from")
+    meta = read_meta(checkpoint_dir, "--init-from", args.model)
     writer = "export_hf" if "export" in meta else meta["script"]
     if writer not in writers:
         raise common.UsageError(f"--init-from {checkpoint_dir} was written by {writer}.py, whose checkpoints this "
                                 f"script does not start from: pass one of {', '.join(f'{w}.py' for w in writers)}")
-    if meta["model"] != args.model:
-        raise common.UsageError(f"--init-from {checkpoint_dir} holds a '{meta['model']}' model: pass --model "
-                                f"{meta['model']}, or another --init-from")
     return checkpoint_dir
 
 

@@ -32,9 +32,13 @@ import torch.distributed.tensor.parallel  # noqa: E402,F401
 import torch.utils.tensorboard  # noqa: E402,F401
 import tqdm  # noqa: E402,F401
 
-import checkpoints  # noqa: E402,F401  (modeling, common, and transformers' Qwen2 with it)
-import data  # noqa: E402,F401  (prepare_data, tasks)
+import checkpoints  # noqa: E402,F401  (common with it)
+import data  # noqa: E402,F401
+import grading  # noqa: E402,F401
+import loading  # noqa: E402,F401
 import metrics  # noqa: E402,F401
+import modeling  # noqa: E402,F401  (transformers' Qwen2 with it)
+import tasks  # noqa: E402,F401
 
 set_by_imports = {key: value for key, value in os.environ.items() if base_env.get(key) != value}
 # The imports' objects, which every child inherits, leave the collector's view: a child's collections and its exit

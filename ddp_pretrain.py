@@ -84,7 +84,7 @@ if rank == 0:
 autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 if args.compile:
     torch._dynamo.config.recompile_limit = 2 * len(args.buckets)  # per bucket a training and an evaluation graph
-    for layer in model.model.layers:  # regional: all layers share each bucket's graph; the wrappers' hooks stay outside
+    for layer in model.model.layers.children():  # regional: all layers share each bucket's graph; hooks stay outside
         layer.compile(dynamic=False)  # in place (state_dict keys unchanged); static shapes: each bucket its own kernels
 
 # ---------------------------------------------------------------------------------------------- wrap

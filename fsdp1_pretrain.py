@@ -88,7 +88,7 @@ if rank == 0:
     common.write_config(args, SCRIPT, world_size, device, dtype, n_params, tokens_per_step)  # and config.json
 if args.compile:
     torch._dynamo.config.recompile_limit = 2 * len(args.buckets)  # per bucket a training and an evaluation graph
-    for layer in model.model.layers:  # regional: all layers share each bucket's graph; the wrappers' hooks stay outside
+    for layer in model.model.layers.children():  # regional: all layers share each bucket's graph; hooks stay outside
         layer.compile(dynamic=False)  # in place (state_dict keys unchanged); static shapes: each bucket its own kernels
 
 # ---------------------------------------------------------------------------------------------- wrap

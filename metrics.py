@@ -23,7 +23,7 @@ PEAK_BF16_FLOPS = {
 
 
 def device_peak_flops(device):
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "a CPU"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""  # no CPU is listed
     return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
 
 

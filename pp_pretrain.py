@@ -130,7 +130,7 @@ class ModelStage(torch.nn.Module):
 model = ModelStage(model, range(stage_index * n_layers // args.pp, (stage_index + 1) * n_layers // args.pp))
 if args.compile:
     torch._dynamo.config.recompile_limit = 2 * len(args.buckets)  # per bucket a training and an evaluation graph
-    for layer in model.model.layers.values():  # regional: all layers share each bucket's graph; hooks stay outside
+    for layer in model.model.layers.children():  # regional: all layers share each bucket's graph; hooks stay outside
         layer.compile(dynamic=False)  # in place (state_dict keys unchanged); static shapes: each bucket its own kernels
 
 # ---------------------------------------------------------------------------------------------- wrap

@@ -195,6 +195,11 @@ def get_parser(description, default_out_dir):
     add("--compile", action="store_true", help="torch.compile each decoder layer, one graph per bucket length")
     add("--activation-checkpointing", choices=["full", "selective"], default="full", help="full: recompute each "
         "decoder layer in backward; selective: keep its matmuls' and attention's outputs (more memory, less compute)")
+    add("--loss-chunk-rows", type=COUNT, default=None, help="rows of logits the loss makes at a time: fewer, less "
+        "memory (default: 4096 on a GPU, 128 on a CPU)")
+    add("--estimate-memory", choices=["fake", "real"], default=None, help="measure one training step per bucket on "
+        "full batches, write memory.json to --out-dir and stop; fake: fake tensors on a fake group of WORLD_SIZE ranks "
+        "in one process, as estimate_memory.py runs it (docs/memory.md; default: none, train)")
     return parser
 
 
@@ -320,13 +325,17 @@ def validation_documents(n_documents, val_fraction):
 # ----------------------------------------------------------------------------------------------
 # Process group.
 
-def init_process_group(device):
+def init_process_group(device, fake=False):
     """NCCL on CUDA, gloo on CPU; a plain `python script.py` is a group of one on an in-process store. A collective that
     waits 10 minutes fails instead of hanging (gloo's default: 30); torchrun stops the others when a rank dies."""
     import datetime
 
     import torch.distributed as dist
 
+    if fake:  # --estimate-memory fake: this process is rank 0 of WORLD_SIZE; collectives move nothing, return at once
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        world_size = int(os.environ.get("WORLD_SIZE", 1))
+        return dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
     alone = {} if "MASTER_ADDR" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)  # not torchrun
     backend = dict(backend="nccl", device_id=device) if device.type == "cuda" else dict(backend="gloo")
     dist.init_process_group(**backend, timeout=datetime.timedelta(minutes=10), **alone)

@@ -75,9 +75,10 @@ tokens_per_step = -(-args.prompts_per_step * args.group_size // rows) * rows * a
 args = common.finalize_args(args, tokens_per_step)
 device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
 dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+fake = args.estimate_memory == "fake"  # estimate_memory.py's: fake tensors on a fake process group, shapes only
 checkpoint_root = Path(args.out_dir) / "checkpoints"
 resume_dir = checkpoints.find_resume_checkpoint(args, checkpoint_root, SCRIPT)
-init_dir = None if resume_dir else checkpoints.find_init_checkpoint(args, STARTS_FROM)
+init_dir = None if resume_dir or args.estimate_memory else checkpoints.find_init_checkpoint(args, STARTS_FROM)
 init_meta = checkpoints.read_meta(init_dir, "--init-from") if init_dir else None
 if init_meta and not init_meta.get("chat_format"):  # the policy answers in the chat format: it must know it
     raise common.UsageError(f"--init-from {init_dir} was written by {init_meta['script']}.py (its model never learned "
@@ -104,13 +105,13 @@ if args.prompts_per_step * world_size > len(train_prompts):  # each rank samples
 # Every input check is behind us: from here on the ranks talk to each other.
 if rank == 0:
     checkpoints.remove_incomplete_checkpoints(checkpoint_root)  # what a crashed run left half-written
-common.init_process_group(device)
+common.init_process_group(device, fake)
 if device.type == "cuda":
     torch.cuda.set_device(device)
 
 # ---------------------------------------------------------------------------------------------- model
 torch.manual_seed(args.seed)  # the same init on every rank, and in every script
-model = modeling.build_model(args.model, args.activation_checkpointing)
+model = modeling.build_model(args.model, args.activation_checkpointing, args.loss_chunk_rows, fake)
 n_params, model_config = modeling.count_parameters(model), model.config
 if rank == 0:
     common.write_config(args, SCRIPT, world_size, device, dtype, n_params, tokens_per_step)  # and config.json
@@ -141,6 +142,37 @@ decay = [p for name, p in model.named_parameters() if not (name.endswith("bias")
 no_decay = [p for name, p in model.named_parameters() if name.endswith("bias") or "norm" in name]
 groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+
+
+# ---------------------------------------------------------------------------------------------- training step
+def train_step(batches, target_tokens):
+    """Forward and backward over this rank's micro-batches [(input_ids, targets, token_advantages)] of a step with
+    target_tokens targets on all ranks; the gradients clipped. Returns this rank's summed loss and the global norm."""
+    loss_sum = torch.zeros((), device=device)
+    for micro, (input_ids, targets, token_advantages) in enumerate(batches):
+        # Divide by the target tokens of the WHOLE step (all ranks, all micro-batches), not by this batch's:
+        # a long sample then weighs as much as it would in one big batch. The gradient sync averages over
+        # ranks, so we multiply by world_size to turn that average back into the sum.
+        model.set_requires_gradient_sync(micro == len(batches) - 1)  # FSDP2's switch for no_sync()
+        # The policy gradient, -(advantage x log-probability) summed over the reply tokens (the targets), each token
+        # weighed by its reply's advantage: raise the log-probability of replies better than their group's mean, lower
+        # the others'. On-policy, one optimizer step per batch of rollouts: no importance ratio, clipping or reference
+        # model (reusing rollouts for more steps would bring PPO's ratio and clip back).
+        micro_loss_sum = model(input_ids=input_ids.to(device), targets=targets.to(device),
+                               weights=token_advantages.to(device))
+        (micro_loss_sum * world_size / target_tokens).backward()
+        loss_sum += micro_loss_sum.detach()
+    # The norm by hand, then the library clips with it: on CPU, torch's fp32 vector_norm (inside clip_grad_norm_)
+    # drifts by ~1e-4 on large tensors (pytorch#169237), while a sum of squares is exact to ~1e-7.
+    grad_norm = torch.stack([p.grad.square().sum() for p in model.parameters()]).sum().sqrt().full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.grad_clip or float("inf"), grad_norm)
+    return loss_sum, grad_norm
+
+
+if args.estimate_memory:  # estimate_memory.py: this step, measured per bucket on full batches; the process ends there
+    metrics.estimate_memory(args, model, optimizer, lambda batches, target_tokens: train_step(  # replies weighed 1
+        [(input_ids, targets, torch.ones(targets.shape)) for input_ids, targets in batches], target_tokens), device,
+        lambda rows: -(-args.prompts_per_step * args.group_size // rows))  # its micro-batches: all replies, padded
 
 
 # ---------------------------------------------------------------------------------------------- checkpoint
@@ -309,28 +341,14 @@ while step < args.max_steps:
     target_tokens, tokens = int(target_tokens), int(tokens)
     rollout_time, train_start = time.perf_counter() - step_start, time.perf_counter()
 
-    loss_sum = torch.zeros((), device=device)
+    batches = []
     for micro in range(micro_batches):
         sample_ids = range(micro * batch_size, min((micro + 1) * batch_size, len(replies)))  # none: padding rows only
         input_ids, targets = data.collate(rollouts, sample_ids, bucket_len, batch_size)
         row_advantages = torch.zeros(batch_size)
         row_advantages[:len(sample_ids)] = advantages[sample_ids.start:sample_ids.stop]
-        # Divide by the target tokens of the WHOLE step (all ranks, all micro-batches), not by this batch's:
-        # a long sample then weighs as much as it would in one big batch. The gradient sync averages over
-        # ranks, so we multiply by world_size to turn that average back into the sum.
-        model.set_requires_gradient_sync(micro == micro_batches - 1)  # FSDP2's switch for no_sync()
-        # The policy gradient, -(advantage x log-probability) summed over the reply tokens (the targets), each token
-        # weighed by its reply's advantage: raise the log-probability of replies better than their group's mean, lower
-        # the others'. On-policy, one optimizer step per batch of rollouts: no importance ratio, clipping or reference
-        # model (reusing rollouts for more steps would bring PPO's ratio and clip back).
-        token_advantages = row_advantages[:, None].expand_as(targets).to(device)
-        micro_loss_sum = model(input_ids=input_ids.to(device), targets=targets.to(device), weights=token_advantages)
-        (micro_loss_sum * world_size / target_tokens).backward()
-        loss_sum += micro_loss_sum.detach()
-    # The norm by hand, then the library clips with it: on CPU, torch's fp32 vector_norm (inside clip_grad_norm_)
-    # drifts by ~1e-4 on large tensors (pytorch#169237), while a sum of squares is exact to ~1e-7.
-    grad_norm = torch.stack([p.grad.square().sum() for p in model.parameters()]).sum().sqrt().full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.grad_clip or float("inf"), grad_norm)
+        batches.append((input_ids, targets, row_advantages[:, None].expand_as(targets)))
+    loss_sum, grad_norm = train_step(batches, target_tokens)
     dist.all_reduce(loss_sum)  # for the log and the check: the gradients were already exact
     loss = loss_sum.item() / target_tokens
     metrics.stop_if_nonfinite(step + 1, loss, grad_norm.item())  # global values: all ranks stop alike, before updating

@@ -72,9 +72,10 @@ tokens_per_step = args.tokens_per_batch * args.grad_accum * world_size  # positi
 args = common.finalize_args(args, tokens_per_step)
 device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
 dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+fake = args.estimate_memory == "fake"  # estimate_memory.py's: fake tensors on a fake process group, shapes only
 checkpoint_root = Path(args.out_dir) / "checkpoints"
 resume_dir = checkpoints.find_resume_checkpoint(args, checkpoint_root, SCRIPT)
-init_dir = None if resume_dir else checkpoints.find_init_checkpoint(args, STARTS_FROM)
+init_dir = None if resume_dir or args.estimate_memory else checkpoints.find_init_checkpoint(args, STARTS_FROM)
 
 # ---------------------------------------------------------------------------------------------- data
 tokenizer = common.get_chat_tokenizer()  # GPT-2 BPE plus the role and reasoning markers
@@ -98,13 +99,13 @@ checkpoints.check_resume(resume_dir, args, data_order)  # --resume: the same dat
 # Every input check is behind us: from here on the ranks talk to each other.
 if rank == 0:
     checkpoints.remove_incomplete_checkpoints(checkpoint_root)  # what a crashed run left half-written
-common.init_process_group(device)
+common.init_process_group(device, fake)
 if device.type == "cuda":
     torch.cuda.set_device(device)
 
 # ---------------------------------------------------------------------------------------------- model
 torch.manual_seed(args.seed)  # the same init on every rank, and in every script
-model = modeling.build_model(args.model, args.activation_checkpointing)
+model = modeling.build_model(args.model, args.activation_checkpointing, args.loss_chunk_rows, fake)
 n_params, model_config = modeling.count_parameters(model), model.config
 if rank == 0:
     common.write_config(args, SCRIPT, world_size, device, dtype, n_params, tokens_per_step)  # and config.json
@@ -143,6 +144,31 @@ decay = [p for name, p in model.named_parameters() if not (name.endswith("bias")
 no_decay = [p for name, p in model.named_parameters() if name.endswith("bias") or "norm" in name]
 groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+
+
+# ---------------------------------------------------------------------------------------------- training step
+def train_step(batches, target_tokens):
+    """Forward and backward over this rank's micro-batches [(input_ids, targets)] of a step with target_tokens targets
+    on all ranks; the gradients clipped. Returns this rank's summed loss and the global gradient norm."""
+    loss_sum = torch.zeros((), device=device)
+    for micro, (input_ids, targets) in enumerate(batches):
+        # Divide by the target tokens of the WHOLE step (all ranks, all micro-batches), not by this batch's:
+        # a long sample then weighs as much as it would in one big batch. The gradient sync averages over
+        # ranks, so we multiply by world_size to turn that average back into the sum.
+        model.set_requires_gradient_sync(micro == len(batches) - 1)  # FSDP2's switch for no_sync()
+        # The summed loss; logits only at target positions, a chunk at a time (modeling.Qwen2WithChunkedLoss).
+        micro_loss_sum = model(input_ids=input_ids.to(device), targets=targets.to(device))
+        (micro_loss_sum * world_size / target_tokens).backward()
+        loss_sum += micro_loss_sum.detach()
+    # The norm by hand, then the library clips with it: on CPU, torch's fp32 vector_norm (inside clip_grad_norm_)
+    # drifts by ~1e-4 on large tensors (pytorch#169237), while a sum of squares is exact to ~1e-7.
+    grad_norm = torch.stack([p.grad.square().sum() for p in model.parameters()]).sum().sqrt().full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.grad_clip or float("inf"), grad_norm)
+    return loss_sum, grad_norm
+
+
+if args.estimate_memory:  # estimate_memory.py: this step, measured per bucket on full batches; the process ends there
+    metrics.estimate_memory(args, model, optimizer, train_step, device, lambda rows: args.grad_accum)
 
 
 # ---------------------------------------------------------------------------------------------- checkpoint
@@ -260,23 +286,10 @@ while step < args.max_steps:
     metrics.reset_peak_memory(device)  # on CUDA each row's peak is its own step's, so per bucket
     step_start = time.perf_counter()
 
-    loss_sum = torch.zeros((), device=device)
-    for micro in range(args.grad_accum):
-        # Dealt round-robin, so that a bucket's short last step spreads evenly over the ranks.
-        sample_ids = step_samples[micro * world_size + rank::world_size * args.grad_accum]
-        input_ids, targets = data.collate(train, sample_ids, bucket_len, batch_size)
-        # Divide by the target tokens of the WHOLE step (all ranks, all micro-batches), not by this batch's:
-        # a long sample then weighs as much as it would in one big batch. The gradient sync averages over
-        # ranks, so we multiply by world_size to turn that average back into the sum.
-        model.set_requires_gradient_sync(micro == args.grad_accum - 1)  # FSDP2's switch for no_sync()
-        # The summed loss; logits only at target positions, a chunk at a time (modeling.Qwen2WithChunkedLoss).
-        micro_loss_sum = model(input_ids=input_ids.to(device), targets=targets.to(device))
-        (micro_loss_sum * world_size / target_tokens).backward()
-        loss_sum += micro_loss_sum.detach()
-    # The norm by hand, then the library clips with it: on CPU, torch's fp32 vector_norm (inside clip_grad_norm_)
-    # drifts by ~1e-4 on large tensors (pytorch#169237), while a sum of squares is exact to ~1e-7.
-    grad_norm = torch.stack([p.grad.square().sum() for p in model.parameters()]).sum().sqrt().full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.grad_clip or float("inf"), grad_norm)
+    # Dealt round-robin, so that a bucket's short last step spreads evenly over the ranks.
+    batches = [data.collate(train, step_samples[micro * world_size + rank::world_size * args.grad_accum], bucket_len,
+                            batch_size) for micro in range(args.grad_accum)]
+    loss_sum, grad_norm = train_step(batches, target_tokens)
     dist.all_reduce(loss_sum)  # for the log and the check: the gradients were already exact
     loss = loss_sum.item() / target_tokens
     metrics.stop_if_nonfinite(step + 1, loss, grad_norm.item())  # global values: all ranks stop alike, before updating

@@ -67,6 +67,7 @@ tokens_per_step = args.tokens_per_batch * args.grad_accum * dp_size  # positions
 args = common.finalize_args(args, tokens_per_step)
 device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
 dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+fake = args.estimate_memory == "fake"  # estimate_memory.py's: fake tensors on a fake process group, shapes only
 checkpoint_root = Path(args.out_dir) / "checkpoints"
 resume_dir = checkpoints.find_resume_checkpoint(args, checkpoint_root, SCRIPT)
 init_dir = None if resume_dir or not args.init_from else checkpoints.find_init_checkpoint(args, RESUMED_BY)
@@ -84,7 +85,7 @@ checkpoints.check_resume(resume_dir, args, data_order)  # --resume: the same dat
 # Every input check is behind us: from here on the ranks talk to each other.
 if rank == 0:
     checkpoints.remove_incomplete_checkpoints(checkpoint_root)  # what a crashed run left half-written
-common.init_process_group(device)
+common.init_process_group(device, fake)
 if device.type == "cuda":
     torch.cuda.set_device(device)
 # Rows are replicas, which FSDP2 shards across; columns split each layer. A tp group's ranks are neighbours, so on a
@@ -94,7 +95,7 @@ dp_rank, dp_group = mesh["dp"].get_local_rank(), mesh["dp"].get_group()  # the t
 
 # ---------------------------------------------------------------------------------------------- model
 torch.manual_seed(args.seed)  # the same init on every rank, and in every script
-model = modeling.build_model(args.model, args.activation_checkpointing)
+model = modeling.build_model(args.model, args.activation_checkpointing, args.loss_chunk_rows, fake)
 if init_dir is not None:  # midtraining: a checkpoint's weights, whole on every rank; the optimizer starts fresh
     dcp.load(model.state_dict(), checkpoint_id=init_dir / "model")  # in place: a state_dict's tensors are the weights
 n_params, model_config = modeling.count_parameters(model), model.config
@@ -130,6 +131,38 @@ decay = [p for name, p in model.named_parameters() if not (name.endswith("bias")
 no_decay = [p for name, p in model.named_parameters() if name.endswith("bias") or "norm" in name]
 groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+
+
+# ---------------------------------------------------------------------------------------------- training step
+def train_step(batches, target_tokens):
+    """Forward and backward over this rank's micro-batches [(input_ids, targets)] of a step with target_tokens targets
+    on all ranks; the gradients clipped. Returns this rank's summed loss and the global gradient norm."""
+    loss_sum = torch.zeros((), device=device)
+    for micro, (input_ids, targets) in enumerate(batches):
+        # Divide by the target tokens of the WHOLE step (all ranks, all micro-batches), not by this batch's:
+        # a long sample then weighs as much as it would in one big batch. The gradient sync averages over
+        # replicas, so we multiply by dp_size to turn that average back into the sum.
+        model.set_requires_gradient_sync(micro == len(batches) - 1)  # FSDP2's switch for no_sync()
+        # The summed loss; logits only at target positions, a chunk at a time (modeling.Qwen2WithChunkedLoss).
+        micro_loss_sum = model(input_ids=input_ids.to(device), targets=targets.to(device))
+        (micro_loss_sum * dp_size / target_tokens).backward()
+        loss_sum += micro_loss_sum.detach()
+    # The norm by hand, then the library clips with it: on CPU, torch's fp32 vector_norm (inside clip_grad_norm_)
+    # drifts by ~1e-4 on large tensors (pytorch#169237), while a sum of squares is exact to ~1e-7.
+    # The gradients are DTensors on two meshes (TP matrices on both, the rest on dp), which cannot be stacked together
+    # (pytorch#180346), so over local shards: a TP shard is its rank's alone, the others' are held alike by the tp ranks
+    # of a replica and count 1/tp each; one all-reduce over all ranks adds them up.
+    grad_norm = torch.stack([p.grad.to_local().square().sum() / (1 if p.grad.device_mesh.ndim == 2 else args.tp)
+                             for p in model.parameters()]).sum()
+    dist.all_reduce(grad_norm)
+    grad_norm = grad_norm.sqrt()
+    # One tensor at a time: a foreach kernel cannot take DTensors of two meshes either.
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.grad_clip or float("inf"), grad_norm, foreach=False)
+    return loss_sum, grad_norm
+
+
+if args.estimate_memory:  # estimate_memory.py: this step, measured per bucket on full batches; the process ends there
+    metrics.estimate_memory(args, model, optimizer, train_step, device, lambda rows: args.grad_accum)
 
 
 # ---------------------------------------------------------------------------------------------- checkpoint
@@ -235,30 +268,10 @@ while step < args.max_steps:
     metrics.reset_peak_memory(device)  # on CUDA each row's peak is its own step's, so per bucket
     step_start = time.perf_counter()
 
-    loss_sum = torch.zeros((), device=device)
-    for micro in range(args.grad_accum):
-        # Dealt round-robin, so that a bucket's short last step spreads evenly over the ranks.
-        sample_ids = step_samples[micro * dp_size + dp_rank::dp_size * args.grad_accum]
-        input_ids, targets = data.collate(train, sample_ids, bucket_len, batch_size)
-        # Divide by the target tokens of the WHOLE step (all ranks, all micro-batches), not by this batch's:
-        # a long sample then weighs as much as it would in one big batch. The gradient sync averages over
-        # replicas, so we multiply by dp_size to turn that average back into the sum.
-        model.set_requires_gradient_sync(micro == args.grad_accum - 1)  # FSDP2's switch for no_sync()
-        # The summed loss; logits only at target positions, a chunk at a time (modeling.Qwen2WithChunkedLoss).
-        micro_loss_sum = model(input_ids=input_ids.to(device), targets=targets.to(device))
-        (micro_loss_sum * dp_size / target_tokens).backward()
-        loss_sum += micro_loss_sum.detach()
-    # The norm by hand, then the library clips with it: on CPU, torch's fp32 vector_norm (inside clip_grad_norm_)
-    # drifts by ~1e-4 on large tensors (pytorch#169237), while a sum of squares is exact to ~1e-7.
-    # The gradients are DTensors on two meshes (TP matrices on both, the rest on dp), which cannot be stacked together
-    # (pytorch#180346), so over local shards: a TP shard is its rank's alone, the others' are held alike by the tp ranks
-    # of a replica and count 1/tp each; one all-reduce over all ranks adds them up.
-    grad_norm = torch.stack([p.grad.to_local().square().sum() / (1 if p.grad.device_mesh.ndim == 2 else args.tp)
-                             for p in model.parameters()]).sum()
-    dist.all_reduce(grad_norm)
-    grad_norm = grad_norm.sqrt()
-    # One tensor at a time: a foreach kernel cannot take DTensors of two meshes either.
-    torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.grad_clip or float("inf"), grad_norm, foreach=False)
+    # Dealt round-robin, so that a bucket's short last step spreads evenly over the ranks.
+    batches = [data.collate(train, step_samples[micro * dp_size + dp_rank::dp_size * args.grad_accum], bucket_len,
+                            batch_size) for micro in range(args.grad_accum)]
+    loss_sum, grad_norm = train_step(batches, target_tokens)
     dist.all_reduce(loss_sum, group=dp_group)  # for the log and the check: the gradients were already exact
     loss = loss_sum.item() / target_tokens
     metrics.stop_if_nonfinite(step + 1, loss, grad_norm.item())  # global values: all ranks stop alike, before updating

@@ -79,3 +79,52 @@ def stop_if_nonfinite(step, loss, grad_norm):
         print(file=sys.__stderr__)  # end the progress bar's line
     raise NonFiniteLoss(f"step {step}: the loss is {loss} and the gradient norm {grad_norm}; stopped before the "
                         f"update, no checkpoint was written: lower --lr or raise --warmup-steps")
+
+
+def estimate_memory(args, model, optimizer, train_step, device, micro_batches):
+    """--estimate-memory: per bucket, torch's tracker counts this rank's memory by category over one optimizer step on
+    full batches (every row whole, every position a target; rows: data.bucket_batch_size's; micro_batches(rows) of
+    them); rank 0 writes memory.json into --out-dir (in bytes). Then this process ends, as a finished run does."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    for parameter in model.parameters():  # AdamW makes its state in its first step: here, on zero gradients
+        parameter.grad = torch.zeros_like(parameter)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    buckets = []
+    for bucket_len in args.buckets:
+        sharded = isinstance(model, FSDPModule)
+        tracker = FSDPMemTracker(model, optimizer) if sharded else MemTracker()
+        if not sharded:
+            tracker.track_external(model, optimizer)  # FSDPMemTracker finds them itself
+        reset_peak_memory(device)
+        batch = torch.zeros(args.tokens_per_batch // bucket_len, bucket_len, dtype=torch.long)  # only shapes matter
+        # A tracker follows one forward per module: its records restart at each micro-batch's, in a global hook, which
+        # runs before every module's own (FSDP's among them).
+        restart = register_module_forward_pre_hook(lambda module, _: tracker.reset_mod_stats() if module is model
+                                                   else None)
+        # Micro-batches after the first meet the same memory (the gradients being made), so the first and the last
+        # stand for them all: the last syncs the gradients.
+        micro = min(micro_batches(len(batch)), 2)
+        with tracker:
+            train_step([(batch, batch)] * micro, batch.numel() * micro)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        restart.remove()
+        peak = next(iter(tracker.get_tracker_snapshot("peak").values()))  # the categories at the step's peak
+        if args.estimate_memory == "fake" and hasattr(model, "reducer"):  # DDP's C++ reducer made its gradient buckets
+            peak["DDP buckets"] = sum(map(int, model._get_ddp_logging_data()["bucket_sizes"].split(",")))  # real ones
+            peak["Total"] += peak["DDP buckets"]
+        buckets.append({"bucket_len": bucket_len, "batch_size": args.tokens_per_batch // bucket_len,
+                        "categories": {getattr(kind, "value", kind): size for kind, size in peak.items()},
+                        "peak_mem_gb": peak_memory_gb(device), "peak_reserved_gb": peak_reserved_memory_gb(device)})
+    if dist.get_rank() == 0:
+        report = {"flags": common.flag_values(args), "world_size": dist.get_world_size(), "buckets": buckets}
+        (Path(args.out_dir) / "memory.json").write_text(json.dumps(report, indent=1) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+    time.sleep(0.2)  # gloo's threads free the last collectives' tensors before Python exits
+    sys.exit(0)

@@ -1,9 +1,11 @@
 """The model: transformers' Qwen2 (the model class only) with the GPT-2 vocabulary, activation checkpointing on every
 decoder layer, a forward that returns the loss without ever holding a whole batch's logits, and generation with it."""
+import contextlib
 import functools
 
 import torch
 import transformers
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from common import END_OF_TURN, EOT_ID, IGNORE_INDEX, MODEL_PRESETS, SPECIAL_TOKENS, VOCAB_SIZE
@@ -12,6 +14,7 @@ from common import END_OF_TURN, EOT_ID, IGNORE_INDEX, MODEL_PRESETS, SPECIAL_TOK
 class Qwen2WithChunkedLoss(transformers.Qwen2ForCausalLM):
     """Qwen2ForCausalLM whose forward, given targets, returns the summed loss (chunked_cross_entropy), inside forward
     so that the wrappers' hooks cover the head; without targets, transformers' own (for generate())."""
+    loss_chunk_rows = None  # build_model's: None, the device's LOSS_CHUNK_ROWS
 
     def forward(self, input_ids=None, targets=None, weights=None, position_ids=None, **kwargs):
         if targets is None and weights is None:  # transformers' own (labels=: its loss on full logits, as Trainer's)
@@ -19,17 +22,24 @@ class Qwen2WithChunkedLoss(transformers.Qwen2ForCausalLM):
         if targets is None or kwargs:  # with targets, no other argument may be dropped silently
             raise ValueError(f"a loss takes targets, and input_ids, position_ids or weights: got {sorted(kwargs)}")
         hidden = self.model(input_ids=input_ids, position_ids=position_ids).last_hidden_state
-        return chunked_cross_entropy(hidden, self.lm_head.weight, targets, weights)
+        return chunked_cross_entropy(hidden, self.lm_head.weight, targets, weights, self.loss_chunk_rows)
 
 
-def build_model(preset, activation_checkpointing="full"):
+def build_model(preset, activation_checkpointing="full", loss_chunk_rows=None, fake=False):
     """A Qwen2WithChunkedLoss with the GPT-2 vocabulary and activation checkpointing, "full" or "selective", in
-    transformers' own init (normal(0, 0.02) matrices, zero biases): the first loss sits at ln(50,304) = 10.83."""
+    transformers' own init (normal(0, 0.02) matrices, zero biases): the first loss sits at ln(50,304) = 10.83.
+    fake=True: fake tensors (shapes and dtypes, no memory, no values) for estimate_memory.py."""
     rope = {"rope_type": "default", "rope_theta": MODEL_PRESETS[preset]["rope_theta"]}
-    model = Qwen2WithChunkedLoss(transformers.Qwen2Config(
-        vocab_size=VOCAB_SIZE, **MODEL_PRESETS[preset]["model"], max_position_embeddings=32_768, rope_parameters=rope,
-        rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.02, bos_token_id=EOT_ID, eos_token_id=EOT_ID,
-        pad_token_id=EOT_ID, use_cache=False, attn_implementation="sdpa"))
+    with torch.device("meta") if fake else contextlib.nullcontext():  # fake: transformers' init needs no values
+        model = Qwen2WithChunkedLoss(transformers.Qwen2Config(
+            vocab_size=VOCAB_SIZE, **MODEL_PRESETS[preset]["model"], max_position_embeddings=32_768,
+            rope_parameters=rope, rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.02,
+            bos_token_id=EOT_ID, eos_token_id=EOT_ID, pad_token_id=EOT_ID, use_cache=False, attn_implementation="sdpa"))
+    if fake:  # real inputs meet them as fake tensors too (allow_non_fake_inputs), so every op after yields shapes only
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model.to_empty(device="cpu")
+        model.tie_weights()  # to_empty gave the head a tensor of its own: the embedding's again
+    model.loss_chunk_rows = loss_chunk_rows
     # Recompute each decoder layer in backward instead of storing its activations (non-reentrant).
     checkpoint_kwargs = {"use_reentrant": False}
     if activation_checkpointing == "selective":  # torch's selective checkpointing: a policy per op
@@ -57,8 +67,8 @@ def selective_checkpoint_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_CHECKPOINT_SAVES else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-# Rows of logits per chunk. CPU: 128 x 50,304 fp32 logits are 26 MB, under glibc's 32 MB mmap threshold, so
-# the same memory is reused instead of being page-faulted in afresh every step. GPU: big matmuls.
+# Rows of logits per chunk, unless --loss-chunk-rows. CPU: 128 x 50,304 fp32 logits are 26 MB, under glibc's 32 MB
+# mmap threshold, so the same memory is reused instead of being page-faulted in afresh every step. GPU: big matmuls.
 LOSS_CHUNK_ROWS = {"cpu": 128, "cuda": 4096}
 
 
@@ -67,12 +77,11 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     gradients made at once: no chunk's logits outlive it, the plain loss's FLOPs in a fraction of its memory."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, row_weights):
+    def forward(ctx, hidden, weight, targets, row_weights, rows):
         needs_grad = any(ctx.needs_input_grad[:2])
         loss = torch.zeros((), device=hidden.device, dtype=torch.float32)
         grad_hidden = torch.empty_like(hidden) if needs_grad else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if needs_grad else None
-        rows = LOSS_CHUNK_ROWS.get(hidden.device.type, 4096)
+        grad_weight = hidden.new_zeros(weight.shape, dtype=torch.float32) if needs_grad else None
         for start in range(0, len(hidden), rows):
             chunk, chunk_targets = hidden[start:start + rows], targets[start:start + rows]
             logits = (chunk @ weight.T).float()  # in the compute dtype (bf16 under mixed precision), then fp32
@@ -87,7 +96,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                     grad_logits.mul_(chunk_weights[:, None])
                 grad_logits = grad_logits.to(chunk.dtype)
                 grad_hidden[start:start + rows] = grad_logits @ weight
-                grad_weight += grad_logits.T @ chunk
+                grad_weight.addmm_(grad_logits.T, chunk)  # in place: no weight-sized temporary per chunk
         if needs_grad:
             ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
         return loss
@@ -95,17 +104,18 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None
+        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None, None
 
 
-def chunked_cross_entropy(hidden, weight, targets, weights=None):
+def chunked_cross_entropy(hidden, weight, targets, weights=None, rows=None):
     """Sum of -log p(target) (times weights, if given) where the target is not IGNORE_INDEX: logits only there, so
-    padding and prompts cost nothing in the head. Eager: its shapes hang on the data."""
+    padding and prompts cost nothing in the head; `rows` of logits at a time. Eager: its shapes hang on the data."""
     if not torch.is_grad_enabled():  # evaluation: apply() would see the weight's requires_grad and make its gradient
         hidden, weight = hidden.detach(), weight.detach()
-    is_target = targets != IGNORE_INDEX
+    is_target = (targets != IGNORE_INDEX).nonzero(as_tuple=True)  # indices of real targets index fake hidden states
     row_weights = None if weights is None else weights[is_target]
-    return ChunkedCrossEntropy.apply(hidden[is_target], weight, targets[is_target], row_weights)
+    rows = rows or LOSS_CHUNK_ROWS.get(hidden.device.type, 4096)
+    return ChunkedCrossEntropy.apply(hidden[is_target], weight, targets[is_target], row_weights, rows)
 
 
 def count_parameters(model):

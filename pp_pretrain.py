@@ -61,11 +61,15 @@ if n_layers % args.pp or world_size % args.pp:
 if args.pp_schedule == "1f1b" and args.grad_accum < args.pp:  # 1F1B fills every stage before its first backward
     raise common.UsageError(f"--grad-accum {args.grad_accum} is below the {args.pp} stages, which 1F1B needs at least: "
                             f"raise --grad-accum, or pass --pp-schedule gpipe")
+if args.estimate_memory:  # measured: a stage asks its neighbours for shapes at its first step; a fake group sends none
+    raise common.UsageError("--estimate-memory: pipeline stages exchange their tensors' shapes over the process group "
+                            "before their first step, which estimate_memory.py cannot fake (docs/memory.md)")
 dp_size = world_size // args.pp
 tokens_per_step = args.tokens_per_batch * args.grad_accum * dp_size  # positions a step computes, padding too
 args = common.finalize_args(args, tokens_per_step)
 device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
 dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+fake = args.estimate_memory == "fake"  # estimate_memory.py's: fake tensors on a fake process group, shapes only
 checkpoint_root = Path(args.out_dir) / "checkpoints"
 resume_dir = checkpoints.find_resume_checkpoint(args, checkpoint_root, SCRIPT)
 init_dir = None if resume_dir or not args.init_from else checkpoints.find_init_checkpoint(args, RESUMED_BY)
@@ -83,7 +87,7 @@ checkpoints.check_resume(resume_dir, args, data_order)  # --resume: the same dat
 # Every input check is behind us: from here on the ranks talk to each other.
 if rank == 0:
     checkpoints.remove_incomplete_checkpoints(checkpoint_root)  # what a crashed run left half-written
-common.init_process_group(device)
+common.init_process_group(device, fake)
 if device.type == "cuda":
     torch.cuda.set_device(device)
 mesh = init_device_mesh(device.type, (dp_size, args.pp), mesh_dim_names=("dp", "pp"))  # rows: pipelines, each in order
@@ -94,7 +98,8 @@ tie_group = [dist.new_group(sorted({row[0], row[-1]})) for row in mesh.mesh.toli
 
 # ---------------------------------------------------------------------------------------------- model
 torch.manual_seed(args.seed)  # the same init on every rank, and in every script
-model = modeling.build_model(args.model, args.activation_checkpointing).to(device)
+model = modeling.build_model(args.model, args.activation_checkpointing, args.loss_chunk_rows, fake)
+model = model.to(device) if device.type == "cuda" else model  # a fake tensor (--estimate-memory) cannot move
 if init_dir is not None:  # midtraining: a checkpoint's weights, whole on every rank; the optimizer starts fresh
     dcp.load(model.state_dict(), checkpoint_id=init_dir / "model")  # in place: a state_dict's tensors are the weights
 n_params, model_config = modeling.count_parameters(model), model.config
@@ -145,6 +150,45 @@ groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_de
 optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
 
 
+# ---------------------------------------------------------------------------------------------- pipeline
+pipeline_schedules = {}  # bucket length -> its stage's schedule: a stage sizes its messages for one shape only
+
+
+def run_pipeline(batches, scale, train):
+    """This pipeline's micro-batches [(input_ids, targets)] through the stages; their losses' sum times scale (0 but on
+    the last stage)."""
+    bucket_len = batches[0][0].shape[1]
+    if bucket_len not in pipeline_schedules:
+        stage = PipelineStage(model, stage_index, args.pp, device, group=mesh["pp"].get_group())
+        schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.pp_schedule]
+        # scale_grads=False: the loss is already a sum over the whole step, not to be divided by the micro-batches.
+        pipeline_schedules[bucket_len] = schedule(stage, args.grad_accum, loss_fn=model.module.loss, scale_grads=False)
+    input_ids, targets = (torch.cat(tensors).to(device) for tensors in zip(*batches))
+    schedule, losses = pipeline_schedules[bucket_len], []
+    (schedule.step if train else schedule.eval)(*([input_ids] if is_first else []), target=targets if is_last else None,
+                                                losses=losses, loss_kwargs={"scale": scale})
+    return torch.stack(losses).sum().detach() if is_last else torch.zeros((), device=device)
+
+
+# ---------------------------------------------------------------------------------------------- training step
+def train_step(batches, target_tokens):
+    """Forward and backward over this pipeline's micro-batches [(input_ids, targets)] of a step with target_tokens
+    targets on all pipelines; the gradients clipped. Returns this rank's summed loss and the global gradient norm."""
+    # Divide by the target tokens of the WHOLE step (all pipelines, all micro-batches), as ddp_pretrain.py does: the
+    # gradient sync averages over pipelines, so we multiply by dp_size to turn that average back into the sum.
+    loss_sum = run_pipeline(batches, dp_size / target_tokens, True) * target_tokens / dp_size
+    if is_first or is_last:  # the embedding's copy and the head's are one weight: one gradient, the sum of both
+        dist.all_reduce(model.module.model.embed_tokens.weight.grad, group=tie_group)
+    # The norm by hand, then the library clips with it: on CPU, torch's fp32 vector_norm (inside clip_grad_norm_)
+    # drifts by ~1e-4 on large tensors (pytorch#169237), while a sum of squares is exact to ~1e-7.
+    grad_norm = torch.stack([p.grad.square().sum() for name, p in model.module.named_parameters()  # tied: counted once
+                             if is_first or not name.startswith("model.embed_tokens")]).sum()
+    dist.all_reduce(grad_norm, group=mesh["pp"].get_group())  # the stages' squares, summed
+    grad_norm = grad_norm.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.grad_clip or float("inf"), grad_norm)
+    return loss_sum, grad_norm
+
+
 # ---------------------------------------------------------------------------------------------- checkpoint
 def save_checkpoint(step, data_position):
     """Every stage writes its own layers with DCP, keyed by the whole model's names (fsdp2_pretrain.py's format)."""
@@ -190,27 +234,6 @@ def make_schedule(split, epoch, grad_accum, order):  # a split's epoch (a mixtur
                                epoch, order, data.epoch_samples(split, args.seed, epoch))
 
 
-# ---------------------------------------------------------------------------------------------- pipeline
-pipeline_schedules = {}  # bucket length -> its stage's schedule: a stage sizes its messages for one shape only
-
-
-def run_pipeline(split, samples, bucket_len, scale, train):
-    """This pipeline's micro-batches through the stages; their losses' sum times scale (0 but on the last stage)."""
-    if bucket_len not in pipeline_schedules:
-        stage = PipelineStage(model, stage_index, args.pp, device, group=mesh["pp"].get_group())
-        schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.pp_schedule]
-        # scale_grads=False: the loss is already a sum over the whole step, not to be divided by the micro-batches.
-        pipeline_schedules[bucket_len] = schedule(stage, args.grad_accum, loss_fn=model.module.loss, scale_grads=False)
-    batch_size = data.bucket_batch_size(args.tokens_per_batch, bucket_len)
-    batches = [data.collate(split, samples[m * dp_size + dp_rank::dp_size * args.grad_accum], bucket_len, batch_size)
-               for m in range(args.grad_accum)]
-    input_ids, targets = (torch.cat(tensors).to(device) for tensors in zip(*batches))
-    schedule, losses = pipeline_schedules[bucket_len], []
-    (schedule.step if train else schedule.eval)(*([input_ids] if is_first else []), target=targets if is_last else None,
-                                                losses=losses, loss_kwargs={"scale": scale})
-    return torch.stack(losses).sum().detach() if is_last else torch.zeros((), device=device)
-
-
 # ---------------------------------------------------------------------------------------------- evaluation
 val_schedules = {name: make_schedule(split, 0, args.grad_accum, "ascending") for name, split in val.items()}
 
@@ -223,7 +246,10 @@ def evaluate():
     loss_sums = torch.zeros(len(val), device=device)
     for i, (name, schedule) in enumerate(val_schedules.items()):
         for bucket_len, samples in schedule:
-            loss_sums[i] += run_pipeline(val[name], samples, bucket_len, 1.0, train=False)  # summed (last stage)
+            batch_size = data.bucket_batch_size(args.tokens_per_batch, bucket_len)
+            batches = [data.collate(val[name], samples[micro * dp_size + dp_rank::dp_size * args.grad_accum],
+                                    bucket_len, batch_size) for micro in range(args.grad_accum)]
+            loss_sums[i] += run_pipeline(batches, 1.0, train=False)  # summed (last stage)
     dist.all_reduce(loss_sums)
     model.train()
     target_counts = [sum(split.target_counts) for split in val.values()]
@@ -268,18 +294,10 @@ while step < args.max_steps:
     metrics.reset_peak_memory(device)  # on CUDA each row's peak is its own step's, so per bucket
     step_start = time.perf_counter()
 
-    # Divide by the target tokens of the WHOLE step (all pipelines, all micro-batches), as ddp_pretrain.py does: the
-    # gradient sync averages over pipelines, so we multiply by dp_size to turn that average back into the sum.
-    loss_sum = run_pipeline(train, step_samples, bucket_len, dp_size / target_tokens, True) * target_tokens / dp_size
-    if is_first or is_last:  # the embedding's copy and the head's are one weight: one gradient, the sum of both
-        dist.all_reduce(model.module.model.embed_tokens.weight.grad, group=tie_group)
-    # The norm by hand, then the library clips with it: on CPU, torch's fp32 vector_norm (inside clip_grad_norm_)
-    # drifts by ~1e-4 on large tensors (pytorch#169237), while a sum of squares is exact to ~1e-7.
-    grad_norm = torch.stack([p.grad.square().sum() for name, p in model.module.named_parameters()  # tied: counted once
-                             if is_first or not name.startswith("model.embed_tokens")]).sum()
-    dist.all_reduce(grad_norm, group=mesh["pp"].get_group())  # the stages' squares, summed
-    grad_norm = grad_norm.sqrt()
-    torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.grad_clip or float("inf"), grad_norm)
+    # Dealt round-robin, so that a bucket's short last step spreads evenly over the ranks.
+    batches = [data.collate(train, step_samples[micro * dp_size + dp_rank::dp_size * args.grad_accum], bucket_len,
+                            batch_size) for micro in range(args.grad_accum)]
+    loss_sum, grad_norm = train_step(batches, target_tokens)
     dist.all_reduce(loss_sum)  # for the log and the check: the gradients were already exact
     loss = loss_sum.item() / target_tokens
     metrics.stop_if_nonfinite(step + 1, loss, grad_norm.item())  # global values: all ranks stop alike, before updating

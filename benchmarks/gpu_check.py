@@ -20,6 +20,8 @@ slow or failing part loses nothing else; each part's rows are written to --out a
       checkpoint, no metrics) at A's faster setting, and A / B: what the script's machinery costs.
   C   --activation-checkpointing selective at A's faster setting.
   D   fsdp2_sft.py --model qwen2-0.5b: peak allocated and reserved memory at buckets 4,096 and 8,192.
+  M   estimate_memory.py --check-on-gpu: its estimate for FSDP2 and the SFT at buckets 2,048 and 8,192 beside one real
+      step's peak allocated and reserved memory (ratio: estimate / allocated; goal: within 10%).
   E   tests/test_cuda.py: every training script's CUDA path (tiny preset, bf16, NCCL; one with --compile).
   A2  bucket 1,024 at A's faster setting, if time is left.
 The text fills each bucket: CPython's help topics and docstrings (the built-in corpus), shuffled and joined into
@@ -99,13 +101,14 @@ import prepare_data  # noqa: E402
 # ---------------------------------------------------------------------------------------------- the settings
 if cli.dry_run:
     MODEL, BUCKET, SECOND_BUCKET, TOKENS_PER_BATCH, STEPS, SKIP, SFT_BUCKETS = "tiny", 128, 64, 512, 6, 2, (128, 256)
+    MEMORY_BUCKETS = (64, 128)
 else:
     MODEL, BUCKET, SECOND_BUCKET, TOKENS_PER_BATCH, STEPS, SKIP = "qwen2-0.5b", 2048, 1024, 16384, 40, 10
-    SFT_BUCKETS = (4096, 8192)
+    SFT_BUCKETS, MEMORY_BUCKETS = (4096, 8192), (2048, 8192)
 SFT_STEPS = 8
 # Each part's time bound (seconds) and the time kept for it while earlier parts run: what it takes on an H100.
-BOUNDS = {"A": 120, "A compiled": 200, "B": 120, "C": 200, "D": 150, "E": 240}
-KEPT = {"A": 40, "A compiled": 90, "B": 50, "C": 90, "D": 50, "E": 100}
+BOUNDS = {"A": 120, "A compiled": 200, "B": 120, "C": 200, "D": 150, "M": 150, "E": 240}
+KEPT = {"A": 40, "A compiled": 90, "B": 50, "C": 90, "D": 50, "M": 60, "E": 100}
 with torch.device("meta"):  # no memory: only the parameter count and shapes, for the FLOPs per token
     meta_model = modeling.build_model(MODEL)
 N_PARAMS, MODEL_CONFIG = modeling.count_parameters(meta_model), meta_model.config
@@ -284,7 +287,7 @@ def mfu_goal(share):
 
 
 # ---------------------------------------------------------------------------------------------- the parts
-ALL_PARTS = ["A", "A compiled", "B", "C", "D", "E"]
+ALL_PARTS = ["A", "A compiled", "B", "C", "D", "M", "E"]
 a_eager = run_part("A", f"fsdp2_pretrain.py, bucket {BUCKET}, full checkpointing, eager",
                    pretrain("A_eager", BUCKET, keep_checkpoint=True), later=ALL_PARTS[1:])
 
@@ -365,6 +368,35 @@ def sft_goal(row):
 
 
 run_part("D", "fsdp2_sft.py memory", sft_memory, later=ALL_PARTS[5:], goal=sft_goal)
+
+
+def memory_estimates(until):
+    """estimate_memory.py's estimate beside one real step on this GPU (--check-on-gpu), per strategy and bucket."""
+    found = []
+    for strategy, folder in (("fsdp2", "text"), ("sft", "chats")):
+        out = work / f"M_{strategy}"
+        launch(f"M_{strategy}", [sys.executable, "estimate_memory.py", "--model", MODEL, "--gpus", 1, "--strategies",
+                                 strategy, "--buckets", ",".join(map(str, MEMORY_BUCKETS)), "--data", work / folder,
+                                 "--out", out, *([] if cli.dry_run else ["--check-on-gpu"])], until)
+        report = json.loads((out / "memory.json").read_text())
+        real = report["on_gpu"].get(strategy, {}).get("buckets", [{}] * len(MEMORY_BUCKETS))
+        for estimate, measured in zip(report["estimates"][strategy]["buckets"], real):
+            predicted, allocated = estimate["categories"]["Total"] / 1e9, measured.get("peak_mem_gb")
+            found.append({"configuration": f"estimate_memory.py {strategy}, bucket {estimate['bucket_len']}: "
+                                           f"estimate {predicted:.2f} GB", "peak_allocated_gb": allocated,
+                          "peak_reserved_gb": measured.get("peak_reserved_gb"),
+                          "ratio": allocated and round(predicted / allocated, 3)})
+    return found
+
+
+def memory_goal(row):
+    if row["ratio"] is None:
+        return None
+    return f"estimate within 10%: {'met' if abs(row['ratio'] - 1) <= 0.1 else 'NOT met'}"
+
+
+run_part("M", "estimate_memory.py --check-on-gpu: FSDP2 and the SFT", memory_estimates, later=ALL_PARTS[6:],
+         goal=memory_goal)
 
 
 def cuda_tests(until):

@@ -297,7 +297,7 @@ def run_until_the_first_collective(script, flags, world_size, monkeypatch):
 
     import common
 
-    def stop(device):
+    def stop(device, fake):
         raise ReachedACollective(script)
 
     monkeypatch.setattr(common, "init_process_group", stop)

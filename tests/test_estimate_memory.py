@@ -1,0 +1,115 @@
+"""estimate_memory.py and the scripts' --estimate-memory: the fake run's parameter, gradient and optimizer bytes per
+rank are the real tensors' bytes, its peak is a real run's under the same tracker, and the strategies' trends hold."""
+import json
+import math
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from helpers import PYTHON, REPO, check, run_script
+
+# One step per bucket of the tiny model, fp32; two micro-batches, so that the gradients of the first meet the second.
+FLAGS = ["--model", "tiny", "--buckets", "64", "--tokens-per-batch", 128, "--grad-accum", 2, "--dtype", "fp32"]
+PARAMETERS = ["Parameter", "Sharded Param"]
+GRADIENTS = ["Gradient", "Sharded Grad", "Unsharded Grad"]
+OPTIMIZER = ["Optstate", "OptState"]
+# CP's runs: a sequence long enough that its activations, not the weights' gradients, make the peak; the loss in one
+# chunk, so that its logits are a rank's rows.
+LONG = ["--buckets", 512, "--tokens-per-batch", 512, "--loss-chunk-rows", 4096]
+
+
+def estimate(out_dir, script, *flags, world_size=2, mode="fake"):
+    """The bucket's categories (bytes) from SCRIPT --estimate-memory MODE: fake, one process standing for rank 0 of
+    WORLD_SIZE; real, WORLD_SIZE ranks on gloo."""
+    args = [*FLAGS, *flags, "--estimate-memory", mode, "--out-dir", out_dir]
+    if mode == "fake":
+        check(run_script(script, *args, env={"WORLD_SIZE": str(world_size), "RANK": "0"}))
+    else:
+        check(run_script(script, *args, nproc=world_size))
+    return json.loads((out_dir / "memory.json").read_text())["buckets"][0]["categories"]
+
+
+def total(categories, names):
+    return sum(categories.get(name, 0) for name in names)
+
+
+@pytest.fixture(scope="module")
+def fake_runs(tmp_path_factory):
+    """The trends' fake runs, two at a time: {name: categories}."""
+    runs = {"fsdp2 world 2": ("fsdp2_pretrain.py", [], 2), "fsdp2 world 4": ("fsdp2_pretrain.py", [], 4),
+            "fsdp2 selective": ("fsdp2_pretrain.py", ["--activation-checkpointing", "selective"], 2),
+            "cp 2": ("fsdp2_cp_pretrain.py", ["--cp", 2, *LONG], 4),
+            "cp 4": ("fsdp2_cp_pretrain.py", ["--cp", 4, *LONG], 4)}
+    with ThreadPoolExecutor(2) as pool:
+        futures = {name: pool.submit(estimate, tmp_path_factory.mktemp("estimate"), script, *flags,
+                                     world_size=world_size) for name, (script, flags, world_size) in runs.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+@pytest.mark.parametrize("script", ["fsdp2_pretrain.py", "ddp_pretrain.py"])
+def test_the_fake_run_counts_what_a_real_run_holds(script, tmp_path):
+    """At world 2, the fake run's parameters, gradients and optimizer state per rank are the real tensors' bytes,
+    exactly (FSDP2: each parameter's shard, its dim 0 padded to a multiple of 2), and its peak is the real run's under
+    the same tracker: FSDP2's activations exactly, DDP's total within 1% (its buckets, counted apart)."""
+    import modeling
+
+    fake = estimate(tmp_path / "fake", script)
+    real = estimate(tmp_path / "real", script, mode="real")
+    shapes = [p.shape for p in modeling.build_model("tiny").parameters()]  # the tied embedding once
+    if script == "fsdp2_pretrain.py":
+        shard_bytes = sum(math.ceil(shape[0] / 2) * math.prod(shape[1:]) * 4 for shape in shapes)
+    else:
+        shard_bytes = sum(math.prod(shape) * 4 for shape in shapes)
+    for categories in (fake, real):
+        assert total(categories, PARAMETERS) == shard_bytes
+        assert total(categories, OPTIMIZER) == 2 * shard_bytes + 4 * len(shapes)  # AdamW's moments and step counts
+    assert total(fake, GRADIENTS) == total(real, GRADIENTS)
+    if script == "fsdp2_pretrain.py":
+        assert fake["Activation"] == pytest.approx(real["Activation"], rel=0.05)
+        assert fake["Total"] == real["Total"]
+    else:
+        assert fake["DDP buckets"] == shard_bytes  # one more copy of the gradients, in fp32
+        assert fake["Total"] == pytest.approx(real["Total"], rel=0.01)
+
+
+def test_the_trends_hold(fake_runs):
+    """FSDP2's state per rank falls as 1 / world size; CP's activations fall with cp (from cp 2 to 4 by over a third:
+    all but the loss's weight gradient halves); full checkpointing keeps fewer activations than selective."""
+    def state(name):
+        return total(fake_runs[name], PARAMETERS + OPTIMIZER)
+
+    assert state("fsdp2 world 4") == pytest.approx(state("fsdp2 world 2") / 2, rel=0.01)
+    assert fake_runs["cp 4"]["Activation"] < 0.65 * fake_runs["cp 2"]["Activation"]
+    assert fake_runs["fsdp2 world 2"]["Activation"] < fake_runs["fsdp2 selective"]["Activation"]
+
+
+def test_the_tool_prints_a_table_per_strategy_and_why_pp_has_none(tmp_path):
+    import subprocess
+
+    out = tmp_path / "out"
+    done = check(subprocess.run([PYTHON, REPO / "estimate_memory.py", "--model", "tiny", "--gpus", "2", "--buckets",
+                                 "64,128", "--strategies", "fsdp2", "pp", "--gpu-memory", "1", "--out", out,
+                                 "--activation-checkpointing", "selective"], cwd=REPO, capture_output=True, text=True,
+                                timeout=300))
+    report = json.loads((out / "memory.json").read_text())
+    assert (out / "memory.png").stat().st_size > 0
+    assert [bucket["bucket_len"] for bucket in report["estimates"]["fsdp2"]["buckets"]] == [64, 128]
+    assert "selective" in report["passed_on"]
+    assert "pipeline stages exchange their tensors' shapes" in report["estimates"]["pp"]["error"]
+    lines = done.stdout.splitlines()
+    fsdp2 = lines.index(next(line for line in lines if line.startswith("fsdp2:")))
+    assert lines[fsdp2 + 1].split() == ["bucket", "parameters", "gradients", "optimizer", "activations",
+                                        "temporaries", "total", "fits"]
+    rows = [lines[fsdp2 + 2].split(), lines[fsdp2 + 3].split()]
+    assert [row[0] for row in rows] == ["64", "128"] and all(row[-1] == "yes" for row in rows)  # 1 GiB: tiny fits
+    assert any("not measured: error: --estimate-memory: pipeline stages" in line for line in lines)
+
+
+@pytest.mark.parametrize("flags,named", [(["--check-on-gpu"], "--gpus 1"),
+                                         (["--check-on-gpu", "--gpus", "1"], "drop --check-on-gpu")])
+def test_a_check_on_a_gpu_that_cannot_run_is_one_line(flags, named):
+    import subprocess
+
+    done = subprocess.run([PYTHON, REPO / "estimate_memory.py", *flags], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and named in done.stderr, done.stderr

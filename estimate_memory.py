@@ -118,24 +118,22 @@ def measure(args, strategy, passed_on, mode, buckets, tokens_per_batch, scratch)
 
 
 def measure_all(args, passed_on, mode, scratch, workers):
-    """{strategy: its buckets' results, merged}: one process per bucket, each a micro-batch of one sequence; or, with
-    --tokens-per-batch, one process per strategy, each bucket's micro-batch that many tokens."""
-    jobs = [(strategy, [bucket_len], bucket_len) for strategy in args.strategies for bucket_len in args.buckets]
-    if args.tokens_per_batch:
-        jobs = [(strategy, args.buckets, args.tokens_per_batch) for strategy in args.strategies]
-    with ThreadPoolExecutor(workers) as pool:
-        done = [(strategy, pool.submit(measure, args, strategy, passed_on, mode, buckets, tokens_per_batch, scratch))
-                for strategy, buckets, tokens_per_batch in jobs]
-        results = {}
-        for strategy, future in done:
-            result, merged = future.result(), results.setdefault(strategy, {"buckets": [], "seconds": 0.0,
-                                                                             "peak_rss_gb": 0.0})
+    """{strategy: its buckets' results, merged}: one process per bucket, each a micro-batch of one sequence (none after
+    one fails); or, with --tokens-per-batch, one process per strategy, each bucket's micro-batch that many tokens."""
+    def strategy_runs(strategy):
+        merged = {"buckets": [], "seconds": 0.0, "peak_rss_gb": 0.0}
+        jobs = [(args.buckets, args.tokens_per_batch)] if args.tokens_per_batch else [([n], n) for n in args.buckets]
+        for buckets, tokens_per_batch in jobs:
+            result = measure(args, strategy, passed_on, mode, buckets, tokens_per_batch, scratch)
             merged["buckets"] += result.get("buckets", [])
             merged["seconds"] += result["seconds"]
             merged["peak_rss_gb"] = max(merged["peak_rss_gb"], result["peak_rss_gb"])
             if "error" in result:
-                merged["error"] = result["error"]
-    return results
+                return {**merged, "error": result["error"]}
+        return merged
+
+    with ThreadPoolExecutor(workers) as pool:
+        return dict(zip(args.strategies, pool.map(strategy_runs, args.strategies)))
 
 
 def grouped(categories):
@@ -168,6 +166,8 @@ def print_table(args, results):
 
 
 def plot(args, results, path):
+    if not any(result["buckets"] for result in results.values()):
+        return
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -101,7 +101,7 @@ import prepare_data  # noqa: E402
 # ---------------------------------------------------------------------------------------------- the settings
 if cli.dry_run:
     MODEL, BUCKET, SECOND_BUCKET, TOKENS_PER_BATCH, STEPS, SKIP, SFT_BUCKETS = "tiny", 128, 64, 512, 6, 2, (128, 256)
-    MEMORY_BUCKETS = (64, 128)
+    MEMORY_BUCKETS = (128,)
 else:
     MODEL, BUCKET, SECOND_BUCKET, TOKENS_PER_BATCH, STEPS, SKIP = "qwen2-0.5b", 2048, 1024, 16384, 40, 10
     SFT_BUCKETS, MEMORY_BUCKETS = (4096, 8192), (2048, 8192)

@@ -38,7 +38,7 @@ def test_dry_run_measures_every_part_and_writes_its_table():
                                                (folder / "stderr").read_text()))
     results = json.loads((out / "results.json").read_text())
     rows = results["parts"]
-    assert [row["part"] for row in rows] == ["A", "A compiled", "B", "C", "D", "D", "E", "A2"]
+    assert [row["part"] for row in rows] == ["A", "A compiled", "B", "C", "D", "D", "M", "M", "E", "A2"]
     assert all(row["outcome"].startswith("ok") for row in rows), rows
     speed = [row for row in rows if row["part"] in ("A", "A compiled", "B", "C", "A2")]
     for row in speed:
@@ -49,11 +49,15 @@ def test_dry_run_measures_every_part_and_writes_its_table():
     assert rows[2]["ratio"].startswith("A / B = ") and rows[3]["ratio"].startswith("C / A = ")
     assert ["bucket 128" in rows[4]["configuration"], "bucket 256" in rows[5]["configuration"]] == [True, True]
     assert rows[4]["peak_allocated_gb"] > 0 and rows[5]["peak_allocated_gb"] > 0
-    assert rows[6]["outcome"] == "ok: 0 passed, 0 failed, 9 skipped of 9"  # every script's CUDA test, collected
+    # The memory estimate's plumbing: FSDP2's and the SFT's estimate on the CPU (no GPU: nothing to hold it against).
+    assert [row["configuration"].split(":")[0] for row in rows[6:8]] == [
+        "estimate_memory.py fsdp2, bucket 128", "estimate_memory.py sft, bucket 128"]
+    assert all(row["ratio"] is None and " GB" in row["configuration"] for row in rows[6:8])
+    assert rows[8]["outcome"] == "ok: 0 passed, 0 failed, 9 skipped of 9"  # every script's CUDA test, collected
     table = (out / "results.md").read_text()
     assert len([line for line in table.splitlines() if line.startswith("|")]) == 2 + len(rows)  # header, a row each
     assert result.stdout.rstrip().endswith(table.rstrip().splitlines()[-1])  # the table is printed last
     with tarfile.open(out / "logs.tar.gz") as logs:
-        assert {"A_eager.log", "A_compiled.log", "B_bare.log", "C_selective.log", "D_sft.log", "E_tests.log",
-                "A2.log"} <= set(logs.getnames())
+        assert {"A_eager.log", "A_compiled.log", "B_bare.log", "C_selective.log", "D_sft.log", "M_fsdp2.log",
+                "E_tests.log", "A2.log"} <= set(logs.getnames())
     shutil.rmtree(folder)  # kept where the test fails, to be read

@@ -118,22 +118,32 @@ def measure(args, strategy, passed_on, mode, buckets, tokens_per_batch, scratch)
 
 
 def measure_all(args, passed_on, mode, scratch, workers):
-    """{strategy: its buckets' results, merged}: one process per bucket, each a micro-batch of one sequence (none after
-    one fails); or, with --tokens-per-batch, one process per strategy, each bucket's micro-batch that many tokens."""
-    def strategy_runs(strategy):
-        merged = {"buckets": [], "seconds": 0.0, "peak_rss_gb": 0.0}
-        jobs = [(args.buckets, args.tokens_per_batch)] if args.tokens_per_batch else [([n], n) for n in args.buckets]
-        for buckets, tokens_per_batch in jobs:
-            result = measure(args, strategy, passed_on, mode, buckets, tokens_per_batch, scratch)
+    """{strategy: its buckets' results, merged}: one process per bucket, each a micro-batch of one sequence, smallest
+    buckets first (a strategy that fails runs no more); or, with --tokens-per-batch, one process per strategy, each
+    bucket's micro-batch that many tokens."""
+    jobs = [(strategy, [n], n) for n in args.buckets for strategy in args.strategies]
+    if args.tokens_per_batch:
+        jobs = [(strategy, args.buckets, args.tokens_per_batch) for strategy in args.strategies]
+    failed = set()
+
+    def run(job):
+        strategy, buckets, tokens_per_batch = job
+        if strategy in failed:
+            return {"seconds": 0.0, "peak_rss_gb": 0.0}
+        result = measure(args, strategy, passed_on, mode, buckets, tokens_per_batch, scratch)
+        if "error" in result:
+            failed.add(strategy)
+        return result
+
+    results = {strategy: {"buckets": [], "seconds": 0.0, "peak_rss_gb": 0.0} for strategy in args.strategies}
+    with ThreadPoolExecutor(workers) as pool:
+        for (strategy, _, _), result in zip(jobs, pool.map(run, jobs)):
+            merged = results[strategy]
             merged["buckets"] += result.get("buckets", [])
             merged["seconds"] += result["seconds"]
             merged["peak_rss_gb"] = max(merged["peak_rss_gb"], result["peak_rss_gb"])
-            if "error" in result:
-                return {**merged, "error": result["error"]}
-        return merged
-
-    with ThreadPoolExecutor(workers) as pool:
-        return dict(zip(args.strategies, pool.map(strategy_runs, args.strategies)))
+            merged.update({"error": result["error"]} if "error" in result else {})
+    return results
 
 
 def grouped(categories):

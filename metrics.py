@@ -83,8 +83,8 @@ def stop_if_nonfinite(step, loss, grad_norm):
 
 def estimate_memory(args, model, optimizer, train_step, device, micro_batches):
     """--estimate-memory: per bucket, torch's tracker counts this rank's memory by category over one optimizer step on
-    full batches (every row whole, every position a target; rows: data.bucket_batch_size's; micro_batches(rows) of
-    them); rank 0 writes memory.json into --out-dir (in bytes). Then this process ends, as a finished run does."""
+    full batches (every row whole, every position a target; rows: data.bucket_batch_size's; micro_batches(rows) in a
+    step); rank 0 writes memory.json into --out-dir (in bytes). Then this process ends, as a finished run does."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import FSDPModule

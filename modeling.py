@@ -81,6 +81,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         needs_grad = any(ctx.needs_input_grad[:2])
         loss = torch.zeros((), device=hidden.device, dtype=torch.float32)
         grad_hidden = torch.empty_like(hidden) if needs_grad else None
+        # Made like hidden, not like weight: FSDP's gathered weight sits in its own buffer, real even in a fake run.
         grad_weight = hidden.new_zeros(weight.shape, dtype=torch.float32) if needs_grad else None
         for start in range(0, len(hidden), rows):
             chunk, chunk_targets = hidden[start:start + rows], targets[start:start + rows]
@@ -96,7 +97,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                     grad_logits.mul_(chunk_weights[:, None])
                 grad_logits = grad_logits.to(chunk.dtype)
                 grad_hidden[start:start + rows] = grad_logits @ weight
-                grad_weight.addmm_(grad_logits.T, chunk)  # in place: no weight-sized temporary per chunk
+                grad_weight += grad_logits.T @ chunk
         if needs_grad:
             ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
         return loss

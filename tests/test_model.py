@@ -82,6 +82,25 @@ def test_chunked_loss_equals_the_plain_loss_and_its_gradients():
         torch.testing.assert_close(model(input_ids=input_ids, targets=targets), plain.detach(), rtol=1e-5, atol=1e-5)
 
 
+def test_the_chunked_loss_takes_bf16_as_fsdp2s_mixed_precision_gives_it():
+    """Under FSDP2's MixedPrecisionPolicy the hidden states and the gathered head are bf16 (DDP's autocast gives fp32
+    hidden states): the loss is fp32 and its gradients are bf16, each near the fp32 computation's, over several
+    chunks (`rows`)."""
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(300, 64), torch.randn(1000, 64) / 8
+    targets = torch.randint(0, 1000, (300,))
+    targets[:20] = common.IGNORE_INDEX
+    results = []
+    for dtype in (torch.float32, torch.bfloat16):
+        h, w = hidden.to(dtype).detach().requires_grad_(), weight.to(dtype).detach().requires_grad_()
+        loss = modeling.chunked_cross_entropy(h, w, targets, rows=64)
+        loss.backward()
+        assert loss.dtype == torch.float32 and h.grad.dtype == w.grad.dtype == dtype
+        results.append((loss, h.grad.float(), w.grad.float()))
+    for fp32, bf16 in zip(*results):
+        torch.testing.assert_close(bf16, fp32, rtol=0.05, atol=0.05)
+
+
 def test_a_weighted_loss_is_the_plain_weighted_sum_with_its_gradients():
     """weights=: each target's -log p times its weight (GRPO: its reply's advantage), summed; its gradients are the
     plain weighted sum's, worked out in the forward as the unweighted loss's are."""

@@ -184,7 +184,7 @@ def plot(args, results, path):
 
     figure, axes = plt.subplots(figsize=(8, 5))
     for strategy, result in results.items():
-        if "buckets" in result:
+        if result["buckets"]:
             axes.plot([b["bucket_len"] for b in result["buckets"]],
                       [b["categories"]["Total"] / GIB for b in result["buckets"]], marker="o", label=strategy)
     axes.axhline(args.gpu_memory, color="black", linestyle="--", label=f"GPU memory ({args.gpu_memory:g} GiB)")

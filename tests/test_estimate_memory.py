@@ -16,7 +16,7 @@ GRADIENTS = ["Gradient", "Sharded Grad", "Unsharded Grad"]
 OPTIMIZER = ["Optstate", "OptState"]
 # CP's runs: a sequence long enough that its activations, not the weights' gradients, make the peak; the loss in one
 # chunk, so that its logits are a rank's rows.
-LONG = ["--buckets", 512, "--tokens-per-batch", 512, "--loss-chunk-rows", 4096]
+LONG = ["--buckets", 2048, "--tokens-per-batch", 2048, "--loss-chunk-rows", 4096]
 
 
 def estimate(out_dir, script, *flags, world_size=2, mode="fake"):
@@ -58,7 +58,7 @@ def fake_runs(shared_runs):
 def test_the_fake_run_counts_what_a_real_run_holds(script, shared_runs, tmp_path):
     """At world 2, the fake run's parameters, gradients and optimizer state per rank are the real tensors' bytes,
     exactly (FSDP2: each parameter's shard, its dim 0 padded to a multiple of 2), and its peak is the real run's under
-    the same tracker: FSDP2's activations exactly, DDP's total within 1% (its buckets, counted apart)."""
+    the same tracker: FSDP2's activations exactly, DDP's within 1% (its buckets counted apart)."""
     import modeling
 
     fake = estimate(shared_runs / ("fsdp2-world-2" if script == "fsdp2_pretrain.py" else "ddp"), script)
@@ -76,8 +76,10 @@ def test_the_fake_run_counts_what_a_real_run_holds(script, shared_runs, tmp_path
         assert fake["Activation"] == pytest.approx(real["Activation"], rel=0.05)
         assert fake["Total"] == real["Total"]
     else:
-        assert fake["DDP buckets"] == shard_bytes  # one more copy of the gradients, in fp32
-        assert fake["Total"] == pytest.approx(real["Total"], rel=0.01)
+        # One more copy of the gradients, in fp32: DDP's C++ reducer allocates it outside fake tensors, and a real run's
+        # tracker sees it only from its first write, so the peaks compare without it.
+        assert fake["DDP buckets"] == shard_bytes
+        assert fake["Total"] - fake["DDP buckets"] == pytest.approx(real["Total"], rel=0.01)
 
 
 def test_the_trends_hold(fake_runs):

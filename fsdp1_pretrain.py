@@ -55,6 +55,7 @@ parser.add_argument("--init-from", default=None, help="start from the weights of
 args = common.parse_args(parser, PRESETS)  # the flags left unset: the --model preset's
 tokens_per_step = args.tokens_per_batch * args.grad_accum * world_size  # positions a step computes, padding too
 args = common.finalize_args(args, tokens_per_step)
+run_folder_lock = common.lock_folder(args.out_dir, "--out-dir") if rank == 0 else None  # one writer, until exit
 if args.estimate_memory:  # measured: its tracker hooks each parameter's gradient; FSDP1's parameters are views (errors)
     raise common.UsageError("--estimate-memory: torch's memory tracker cannot follow FSDP1, whose parameters are views "
                             "of its flat ones (docs/memory.md)")
@@ -223,8 +224,7 @@ if rank == 0:
 
 def log(row):
     if rank == 0:
-        metrics_file.write(json.dumps(row) + "\n")
-        metrics_file.flush()
+        metrics_file.write(f"{json.dumps(row)}\n".encode())  # one write(2) per row (metrics.open_metrics)
         for name, value in row.items():
             if name != "step" and value is not None:
                 writer.add_scalar(name, value, row["step"])

@@ -73,6 +73,7 @@ args = common.parse_args(parser, PRESETS)  # the flags left unset: the --model p
 rows = args.tokens_per_batch // args.buckets[-1]  # a step's positions: its rollouts, in batches of this many rows
 tokens_per_step = -(-args.prompts_per_step * args.group_size // rows) * rows * args.buckets[-1] * world_size
 args = common.finalize_args(args, tokens_per_step)
+run_folder_lock = common.lock_folder(args.out_dir, "--out-dir") if rank == 0 else None  # one writer, until exit
 device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
 dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
 fake = args.estimate_memory == "fake"  # estimate_memory.py's: fake tensors on a fake process group, shapes only
@@ -281,8 +282,7 @@ if rank == 0:
 
 def log(row):
     if rank == 0:
-        metrics_file.write(json.dumps(row) + "\n")
-        metrics_file.flush()
+        metrics_file.write(f"{json.dumps(row)}\n".encode())  # one write(2) per row (metrics.open_metrics)
         for name, value in row.items():
             if name != "step" and value is not None:
                 writer.add_scalar(name, value, row["step"])

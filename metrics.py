@@ -46,20 +46,17 @@ def peak_reserved_memory_gb(device):
 
 
 def open_metrics(path, resumed_step):
-    """metrics.jsonl, opened for appending rows. On resume, rows after the checkpoint's step (written by the
-    run that crashed after it, and about to be trained again) are dropped first, so every step appears once."""
+    """metrics.jsonl, opened for appending rows, unbuffered: each row one write of a whole line, so that a reader never
+    meets half a row. On resume, rows after the checkpoint's step (written by the run that crashed after it, and about
+    to be trained again) are dropped first, so every step appears once."""
     path = Path(path)
     if resumed_step is None or not path.exists():
-        return open(path, "w")
-
-    def kept(line):
-        try:
-            return json.loads(line)["step"] <= resumed_step
-        except (ValueError, KeyError, TypeError):
-            return False  # a row the crash cut short
-
-    path.write_text("".join(line for line in path.read_text().splitlines(keepends=True) if kept(line)))
-    return open(path, "a")
+        return open(path, "wb", buffering=0)
+    rows = [row for row in common.read_metrics(path.parent, "") if row.get("step", math.inf) <= resumed_step]
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    os.replace(partial, path)  # whole, or as it was: a reader meanwhile sees one of the two
+    return open(path, "ab", buffering=0)
 
 
 class NonFiniteLoss(common.ReportedError):

@@ -49,6 +49,7 @@ REPO = Path(__file__).resolve().parent
 STAGES = ["pretrain", "mid", "sft", "grpo", "control", "reference", "eval"]
 SCRIPTS = {"pretrain": "fsdp2_pretrain.py", "mid": "fsdp2_pretrain.py", "sft": "fsdp2_sft.py", "grpo": "fsdp2_grpo.py",
            "control": "fsdp2_sft.py", "reference": "fsdp2_sft.py"}
+RUN_IT = "run its stage first (--stages)"  # what a stage's unreadable metrics.jsonl asks for
 SOURCES = {"mid": "pretrain", "sft": "mid", "grpo": "sft", "control": "sft", "reference": "mid"}  # each starts from
 # Midtraining: pretraining text and the built-in conversations 70:30 (by tokens), from pretraining's weights, the LR
 # warmed up again, held, then decayed over its last fifth; (steps, warmup steps) per preset. The SFT replays
@@ -187,19 +188,11 @@ def prepare_reference(out_dir):
     return folder
 
 
-def read_rows(run_dir):
-    try:
-        return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    except (OSError, ValueError) as error:
-        raise common.UsageError(f"{run_dir}: no readable metrics.jsonl ({common.error_reason(error)}): run its stage "
-                                f"first (--stages)") from None
-
-
 def control_flags(out_dir):
     """The control: as many SFT steps as fit in GRPO's training time at the SFT's own pace (both timed from their
     first step to their last, start-up and evaluation included), at the SFT's final learning rate, held."""
-    sft_rows = [row for row in read_rows(out_dir / "sft") if "elapsed_s" in row]
-    grpo_rows = [row for row in read_rows(out_dir / "grpo") if "elapsed_s" in row]
+    sft_rows = [row for row in common.read_metrics(out_dir / "sft", RUN_IT) if "elapsed_s" in row]
+    grpo_rows = [row for row in common.read_metrics(out_dir / "grpo", RUN_IT) if "elapsed_s" in row]
     if not sft_rows or not grpo_rows:
         raise common.UsageError(f"{out_dir}: the sft and grpo runs logged no steps: run those stages first")
     seconds_per_step = sft_rows[-1]["elapsed_s"] / sft_rows[-1]["step"]
@@ -220,7 +213,7 @@ def evaluate_stages(out_dir, stages, args):
     rows, seen = [], {}  # seen: the tokens each run had trained on when it ended
     for stage in stages:
         source = source_of(stage, args)
-        steps = [row for row in read_rows(out_dir / stage) if "loss" in row]
+        steps = [row for row in common.read_metrics(out_dir / stage, RUN_IT) if "loss" in row]
         run_tokens = dict(zip([row["step"] for row in steps], np.cumsum([row["tokens"] for row in steps])))
         before = seen.get(source, 0) if source in stages else 0
         seen[stage] = before + (int(max(run_tokens.values())) if run_tokens else 0)
@@ -296,35 +289,36 @@ def report(rows, stages, runs, now, out_dir):
 def main():
     args, extra = get_parser().parse_known_args()
     out_dir, now = Path(args.out_dir), provenance()
-    stage_runs_file = out_dir / "stages.json"  # each stage's command and seconds, kept across invocations
-    stage_runs = json.loads(stage_runs_file.read_text()) if stage_runs_file.is_file() else {}
-    training = [stage for stage in args.stages if stage in SCRIPTS]
-    if training and any(getattr(args, f"{stage}_data") == folder for stage, (folder, _) in DATA.items()):
-        run_command("data", [sys.executable, "prepare_data.py"], "python prepare_data.py")  # keeps what it wrote before
-    for stage in training:
-        if stage == "reference" and not holds_builtin_set(args.sft_data):
-            print("\n== reference: skipped (it is the built-in SFT set with every solve row worked)", flush=True)
-            continue
-        seconds, command = run_stage(stage, args, extra)
-        stage_runs[stage] = {"seconds": seconds, "command": command, **now}
-        stage_runs_file.write_text(json.dumps(stage_runs, indent=2))
-    if "eval" not in args.stages:
-        return
-    stages = [stage for stage in SCRIPTS if (out_dir / stage / "checkpoints").is_dir()]
-    if not stages:
-        raise common.UsageError(f"--out-dir {out_dir} holds no stage's checkpoints: run the training stages first")
-    rows = evaluate_stages(out_dir, stages, args)
-    (out_dir / "eval.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    import plot
+    with common.lock_folder(out_dir, "--out-dir"):  # one pipeline per folder (each stage locks its own)
+        stage_runs_file = out_dir / "stages.json"  # each stage's command and seconds, kept across invocations
+        stage_runs = json.loads(stage_runs_file.read_text()) if stage_runs_file.is_file() else {}
+        training = [stage for stage in args.stages if stage in SCRIPTS]
+        if training and any(getattr(args, f"{stage}_data") == folder for stage, (folder, _) in DATA.items()):
+            run_command("data", [sys.executable, "prepare_data.py"], "python prepare_data.py")  # keeps what it wrote
+        for stage in training:
+            if stage == "reference" and not holds_builtin_set(args.sft_data):
+                print("\n== reference: skipped (it is the built-in SFT set with every solve row worked)", flush=True)
+                continue
+            seconds, command = run_stage(stage, args, extra)
+            stage_runs[stage] = {"seconds": seconds, "command": command, **now}
+            stage_runs_file.write_text(json.dumps(stage_runs, indent=2))
+        if "eval" not in args.stages:
+            return
+        stages = [stage for stage in SCRIPTS if (out_dir / stage / "checkpoints").is_dir()]
+        if not stages:
+            raise common.UsageError(f"--out-dir {out_dir} holds no stage's checkpoints: run the training stages first")
+        rows = evaluate_stages(out_dir, stages, args)
+        (out_dir / "eval.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        import plot
 
-    plots = {"pretrain": ["pretrain", "mid"], "sft": ["sft", "reference"], "grpo": ["grpo", "control"]}
-    plots = {name: [out_dir / stage for stage in runs if stage in stages] for name, runs in plots.items()}
-    for name, runs in plots.items():
-        if runs:
-            plot.plot(runs, out_dir / f"{name}.png")
-    plot.plot_abilities(rows, out_dir / "abilities.png")
-    print(f"\nwrote {report(rows, stages, stage_runs, now, out_dir)}, {out_dir / 'eval.jsonl'} and the plots "
-          f"{', '.join(f'{name}.png' for name, runs in plots.items() if runs)}, abilities.png")
+        plots = {"pretrain": ["pretrain", "mid"], "sft": ["sft", "reference"], "grpo": ["grpo", "control"]}
+        plots = {name: [out_dir / stage for stage in runs if stage in stages] for name, runs in plots.items()}
+        for name, runs in plots.items():
+            if runs:
+                plot.plot(runs, out_dir / f"{name}.png")
+        plot.plot_abilities(rows, out_dir / "abilities.png")
+        print(f"\nwrote {report(rows, stages, stage_runs, now, out_dir)}, {out_dir / 'eval.jsonl'} and the plots "
+              f"{', '.join(f'{name}.png' for name, runs in plots.items() if runs)}, abilities.png")
 
 
 if __name__ == "__main__":

@@ -25,12 +25,7 @@ PANELS = [("loss", "step", "training loss"), ("loss", "tokens", "training loss")
 def read_run(run_dir):
     """{(metric, x): ([x], [y])} of a run, x being "step", or "tokens": the tokens trained on up to that step (the
     running total of the logged steps' tokens; with --log-every N, N times that, an estimate)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    try:
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    except (OSError, ValueError) as error:
-        raise common.UsageError(f"{run_dir}: no readable metrics.jsonl ({common.error_reason(error)}): pass a "
-                                f"script's --out-dir") from None
+    rows = common.read_metrics(run_dir, "pass a script's --out-dir")
     config = Path(run_dir) / "config.json"
     log_every = json.loads(config.read_text())["flags"].get("log_every", 1) if config.is_file() else 1
     series, tokens = {}, 0

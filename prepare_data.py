@@ -91,8 +91,10 @@ def builtin_documents():
 
 
 def looks_local(source):
+    """Whether --data names a local path, not a hub dataset (`owner/name`): it exists, starts or ends as paths do, or
+    is not of the hub's form, or its first part is a folder here (data/nope, as README names prepared folders)."""
     return (os.path.exists(os.path.expanduser(source)) or source.startswith((".", "/", "~"))
-            or source.endswith(DATA_SUFFIXES))
+            or source.endswith(DATA_SUFFIXES) or source.count("/") != 1 or os.path.isdir(source.split("/")[0]))
 
 
 def is_saved_dataset(path):
@@ -105,7 +107,7 @@ def data_files(source):
     path = Path(source).expanduser()
     if not path.exists():
         raise common.UsageError(f"--data {source} does not exist: pass an existing file or folder, a hub dataset "
-                                f"name, or 'builtin'")
+                                f"(owner/name), or 'builtin'")
     if path.is_dir() and is_saved_dataset(path):  # its own files: arrow shards and the json that describes them
         return sorted(p for p in path.rglob("*") if p.is_file())
     files = [path] if path.is_file() else [p for p in sorted(path.rglob("*")) if p.suffix in DATA_SUFFIXES]
@@ -176,7 +178,17 @@ def read_rows(args):
     """Batches of rows (dicts) of --data: local files one batch at a time, or a hub dataset, streamed."""
     if not looks_local(args.data):
         import datasets
+        import huggingface_hub
 
+        try:  # one request first: a name the hub does not hold, or no hub, is said at once (load_dataset retries)
+            huggingface_hub.HfApi().dataset_info(args.data, timeout=10)
+        except huggingface_hub.errors.RepositoryNotFoundError:
+            raise common.UsageError(f"--data {args.data} is no local file or folder, nor a dataset on the Hugging Face "
+                                    f"hub: check the path or the name") from None
+        except Exception as error:  # no network, offline mode, the hub down: its client's own kinds
+            raise HubUnreachable(f"--data {args.data} is no local file or folder, and the Hugging Face hub cannot be "
+                                 f"reached ({common.error_reason(error)}): check the path, or the network (or prepare "
+                                 f"the data with prepare_data.py where the hub can be reached)") from None
         datasets.disable_progress_bars()
         try:  # streamed, so that only the documents we take are downloaded
             rows = datasets.load_dataset(args.data, args.data_config, split="train", streaming=True)

@@ -220,18 +220,20 @@ def copy_checkpoint(run_dir, step, new_run_dir):
 
 
 def tree_hashes(folder):
-    """sha256 of every file under FOLDER: equal before and after means nothing was touched."""
+    """sha256 of every file under FOLDER but run folders' .lock files (which every run into the folder rewrites, a
+    refused one aside): equal before and after means nothing was touched."""
     import hashlib
 
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+            for p in sorted(Path(folder).rglob("*")) if p.is_file() and p.name != ".lock"}
 
 
 def tree_stats(folder):
-    """Size and modification time of every file and folder under FOLDER: what any write, creation or removal changes,
-    read in a millisecond where tree_hashes reads every byte."""
-    return {str(path.relative_to(folder)): (path.stat().st_size, path.stat().st_mtime_ns)
-            for path in sorted(Path(folder).rglob("*"))}
+    """Size and modification time of every file under FOLDER, and every folder's name (a .lock made in one changes its
+    time), .lock files aside: what any write, creation or removal changes, read in a millisecond where tree_hashes reads
+    every byte."""
+    return {str(path.relative_to(folder)): (path.stat().st_size, path.stat().st_mtime_ns) if path.is_file() else None
+            for path in sorted(Path(folder).rglob("*")) if path.name != ".lock"}
 
 
 def traceback_through_our_code(output):
@@ -292,6 +294,7 @@ def run_until_the_first_collective(script, flags, world_size, monkeypatch):
     """The script's code in this process, as rank 0 of world_size, until it would start its process group
     (common.init_process_group raises ReachedACollective instead); returns (exit code, what it printed to stderr)."""
     import contextlib
+    import gc
     import io
     import runpy
 
@@ -302,6 +305,7 @@ def run_until_the_first_collective(script, flags, world_size, monkeypatch):
 
     monkeypatch.setattr(common, "init_process_group", stop)
     monkeypatch.setattr(sys, "argv", [script, *flags])
+    monkeypatch.chdir(REPO)  # relative paths (the defaults runs/..., data/...) as from a checkout's root
     for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size)}.items():
         monkeypatch.setenv(name, value)
     stderr = io.StringIO()
@@ -312,4 +316,6 @@ def run_until_the_first_collective(script, flags, world_size, monkeypatch):
         return error.exit_status, f"error: {error}\n"
     except SystemExit as exit:  # argparse
         return exit.code, stderr.getvalue()
+    finally:
+        gc.collect()  # the script's globals, its run folder's lock among them: released as its process would at exit
     raise AssertionError(f"{script} {flags}: no error before its first collective")

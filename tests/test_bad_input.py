@@ -34,6 +34,10 @@ SFT_INIT = ["--init-from", "{tmp}/fsdp2"]  # a valid pretrained checkpoint, so t
 BAD_INPUTS = {  # case: (script, flags, ranks, words the error line must hold: the flag first)
     "data path that does not exist":
         ("prepare_data.py", ["--data", "{tmp}/nope/train.txt"], 1, ["--data", "does not exist"]),
+    "missing path inside a folder that exists (as README names prepared folders)":
+        ("prepare_data.py", ["--data", "docs/nope"], 1, ["--data docs/nope", "does not exist"]),
+    "name that is neither a path nor a hub dataset":
+        ("prepare_data.py", ["--data", "mydata"], 1, ["--data mydata", "does not exist", "(owner/name)"]),
     "folder with no data files": ("prepare_data.py", ["--data", "{tmp}/empty_folder"], 1, ["--data", "holds no"]),
     "text file that is not UTF-8":
         ("prepare_data.py", ["--data", "{tmp}/latin1.txt"], 1, ["--data", "could not be read"]),
@@ -210,7 +214,8 @@ FILES_AS_WRITTEN = {}  # sha256 of every file of bad_input_files, as the fixture
 
 
 # One case per script and per way an error ends a run (argparse, a usage error, on 2 ranks): run as commands too.
-COMMAND_LINE = ["step count that is not a number", "data path that does not exist", "more ranks than samples",
+COMMAND_LINE = ["step count that is not a number", "missing path inside a folder that exists (as README names "
+                "prepared folders)", "more ranks than samples",
                 "resume another strategy's checkpoint", "SFT data that is not prepared",
                 "GRPO data with no reference answers"]  # TP's and PP's: argparse-free usage errors, as the others
 
@@ -263,6 +268,9 @@ def test_on_the_command_line_it_is_one_line_and_no_traceback(case, command_line_
     assert nproc > 1 or "Traceback" not in output
     error_lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(error_lines) == 1 and all(word in error_lines[0] for word in words), result.stderr
+    if nproc > 1:  # torchrun's report ends with its root cause, the line again (the rank's error file), where one looks
+        report = [line.strip() for line in result.stderr.splitlines() if line.strip()]
+        assert report[-2] == f"traceback : {error_lines[0]}", result.stderr[-3000:]
 
 
 def test_a_damaged_checkpoint_is_a_checkpoint_error_not_bad_input(bad_input_files, tmp_path, monkeypatch):

@@ -288,19 +288,22 @@ def flag_values(args):
     return json.loads(json.dumps(vars(args)))
 
 
-def write_config(args, script, world_size, device, dtype, n_params, step_tokens):
-    """Rank 0, at the start: the resolved configuration, printed as one block and written to <out-dir>/config.json."""
+def write_config(args, script, world_size, device, dtype, n_params, step_tokens, start_dir):
+    """Rank 0, at the start: the resolved configuration, printed as one block and written to <out-dir>/config.json;
+    start_dir: the checkpoint folder the weights come from (--resume's or --init-from's; None: the model's own init)."""
     total_tokens = step_tokens * args.max_steps
     config = {"script": script, "world_size": world_size, "device": str(device),
               "dtype": str(dtype).removeprefix("torch."), "parameters": n_params, "tokens_per_step": step_tokens,
               "total_tokens": total_tokens, "tokens_per_parameter": total_tokens / n_params,
-              "training_flops": 6 * n_params * total_tokens, "flags": flag_values(args)}
+              "training_flops": 6 * n_params * total_tokens, "started_from": start_dir and str(start_dir),
+              "flags": flag_values(args)}
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     (Path(args.out_dir) / "config.json").write_text(json.dumps(config, indent=2))
     flags = [f"--{name.replace('_', '-')}={','.join(map(str, value)) if isinstance(value, list) else value}"
              for name, value in config["flags"].items()]
     print(f"{script}: world size {world_size} on {device.type}, {config['dtype']}, model '{args.model}' with "
-          f"{n_params:,} parameters\n  {step_tokens:,} tokens per step x {args.max_steps:,} steps = {total_tokens:,} "
+          f"{n_params:,} parameters, from {start_dir or 'its own initialization'}\n  {step_tokens:,} tokens per step x "
+          f"{args.max_steps:,} steps = {total_tokens:,} "
           f"tokens ({total_tokens / n_params:.3g} per parameter), {config['training_flops']:.3g} training FLOPs (6ND)\n"
           + textwrap.fill(" ".join(flags), 118, initial_indent="  ", subsequent_indent="  ", break_long_words=False,
                           break_on_hyphens=False), flush=True)

@@ -30,6 +30,7 @@ JSON row per (task, metric).
 import argparse
 import json
 import math
+import os
 import random
 import time
 from collections import Counter
@@ -37,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 import checkpoints
 import common
@@ -329,7 +331,9 @@ def evaluate(args):
     tokenizer = common.get_chat_tokenizer()
     window = PROSE_WINDOW[meta["model"]]
     rows = []
-    for task in tasks:
+    progress = tqdm(tasks, desc=f"evaluating {checkpoint_dir}", unit="task", dynamic_ncols=True)
+    for task in progress:
+        progress.set_postfix_str(task)  # the task now running: a generation task takes a while on a CPU
         if task == "prose_bpb":
             task_rows = prose_bpb(model, tokenizer, args, window)
         elif task == "arith_choice":
@@ -351,9 +355,11 @@ def main():
         interval = f"[{r['ci_low']:.4f}, {r['ci_high']:.4f}]"
         print(f"{r['task']:<16}{r['metric']:<14}{r['value']:>9.4f}  {interval:<19}{r['n']:>6}")
     print(f"evaluated in {time.perf_counter() - started:.1f} s")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if args.out:  # whole or not at all: written beside, then renamed (two evaluations into one file: the later's)
+        partial = Path(args.out).with_name(f".{Path(args.out).name}.partial-{os.getpid()}")
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        os.replace(partial, args.out)
 
 
 if __name__ == "__main__":

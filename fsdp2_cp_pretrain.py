@@ -100,7 +100,7 @@ if init_dir is not None:  # midtraining: a checkpoint's weights, whole on every 
     dcp.load(model.state_dict(), checkpoint_id=init_dir / "model")  # in place: a state_dict's tensors are the weights
 n_params, model_config = modeling.count_parameters(model), model.config
 if rank == 0:
-    common.write_config(args, SCRIPT, world_size, device, dtype, n_params, tokens_per_step)  # and config.json
+    common.write_config(args, SCRIPT, world_size, device, dtype, n_params, tokens_per_step, resume_dir or init_dir)
 
 # ---------------------------------------------------------------------------------------------- context parallel
 # A cp group cuts each sequence into 2 x cp chunks; rank r takes chunks r and 2cp-1-r (ring-flash-attention's zigzag).

@@ -53,7 +53,12 @@ def reply(prompt_tokens):
                                                args.top_k)[0]
     if new_tokens and new_tokens[-1] in (common.SPECIAL_TOKENS[common.END_OF_TURN], common.EOT_ID):
         new_tokens = new_tokens[:-1]  # the stop marker ends the reply; it is not part of it
-    return common.decode(tokenizer, new_tokens), new_tokens  # the vocabulary's padding rows decode to nothing
+    text = common.decode(tokenizer, new_tokens)  # the vocabulary's padding rows decode to nothing
+    if text and not text.strip():  # a model that learned only line breaks: one line, not a screen of blank ones
+        print(f"note: the model's {len(new_tokens)} new tokens are whitespace only: an undertrained model",
+              file=sys.stderr)
+        text = ""
+    return text, new_tokens
 
 
 if not args.chat:  # a pretrained (or any) model continues plain text

@@ -1,5 +1,7 @@
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -8,9 +10,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common.py
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # helpers.py
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no test reaches the network; transformers reads this on import
 
-from helpers import EXTRA_FLAGS, RL_DATA, SFT_DATA, TINY_RUN, check, prepare_test_data, run_script  # noqa: E402
 
-prepare_test_data()  # before any test reads TINY_RUN's --data
+def pytest_configure(config):
+    """The tests' prepared data (helpers.DATA_ROOT), before any test module reads TINY_RUN's --data: kept in pytest's
+    cache while its sources are the same (`--cache-clear` empties it); with the cache off, in a folder removed at the
+    end. Nothing is left in the system's temporary directory."""
+    cache = getattr(config, "cache", None)
+    folder = cache.mkdir("prepared-data") if cache else Path(tempfile.mkdtemp(prefix="prepared-data-"))
+    if not cache:
+        config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+    os.environ["LLM_REFERENCE_TEST_DATA"] = str(folder)
+    from helpers import prepare_test_data
+
+    prepare_test_data()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def temporary_folders(tmp_path_factory):
+    """The tests' own temporary folders (each run's output, the GPU check's dry run) inside pytest's tmp_path, which
+    pytest prunes, not in the system's temporary directory."""
+    tempfile.tempdir = str(tmp_path_factory.mktemp("tmp"))
 
 
 # tests/tp_probe.py records the first layer's shards and collectives; tests/pp_probe.py the tied weight's copies;
@@ -39,6 +58,8 @@ def pytest_runtest_setup(item):
 def ddp_one_process(tmp_path_factory):
     """DDP on one process with --grad-accum 2, the tiny run's samples: what tensor parallelism (dp 1) and pipeline
     parallelism (one pipeline) must equal. Returns its out_dir."""
+    from helpers import TINY_RUN, check, run_script
+
     out = tmp_path_factory.mktemp("ddp_one_process") / "run"
     check(run_script("ddp_pretrain.py", *TINY_RUN, "--grad-accum", 2, "--out-dir", out))
     return out
@@ -48,6 +69,8 @@ def ddp_one_process(tmp_path_factory):
 def tiny_run(tmp_path_factory):
     """tiny_run(script): one 2-rank, 20-step run of SCRIPT that saves at steps 10 and 20, made once per session
     and shared by the tests that read it (parity, resume, sharding). Returns (out_dir, CompletedProcess)."""
+    from helpers import EXTRA_FLAGS, RL_DATA, SFT_DATA, TINY_RUN, check, run_script
+
     runs = {}
 
     def get(script):

@@ -17,8 +17,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
-# The tests' data, prepared once and kept across sessions while its source is the same (prepare_test_data).
-DATA_ROOT = Path(tempfile.gettempdir()) / f"llm-reference-tests-{os.getuid()}"
+# The tests' data, prepared once and kept across sessions while its source is the same (prepare_test_data), in the
+# folder conftest.py names: pytest's cache.
+DATA_ROOT = Path(os.environ.get("LLM_REFERENCE_TEST_DATA", Path(tempfile.gettempdir()) / "llm-reference-test-data"))
 TINY_CORPUS, TINY_DATA = DATA_ROOT / "tiny_corpus.jsonl", DATA_ROOT / "tiny_corpus"  # the rows; their prepared folder
 BUILTIN_TEXT, BUILTIN_SFT, BUILTIN_RL = DATA_ROOT / "builtin", DATA_ROOT / "builtin-sft", DATA_ROOT / "builtin-rl"
 # The run most tests share: tiny model, 20 steps, checkpoints at steps 10 and 20, fp32, one validation document
@@ -102,6 +103,7 @@ def start_process(command, env, stdout, stderr):
         if not ZYGOTE:
             # A short path: a Unix socket's is at most 107 bytes.
             folder = Path(tempfile.mkdtemp(prefix="zygote-", dir="/tmp" if os.path.isdir("/tmp") else None))
+            atexit.register(shutil.rmtree, folder, True)
             zygote_env = {**os.environ, **BASE_ENV}
             with open(folder / "stderr", "w") as zygote_stderr:
                 process = subprocess.Popen([PYTHON, str(REPO / "tests" / "zygote.py"), str(folder / "socket")],

@@ -144,6 +144,9 @@ def test_arith_gen_equals_the_sft_scripts_val_accuracy(tiny_run, tmp_path):
         assert r["ci_low"] <= r["value"] <= r["ci_high"] and r["step"] == 20 and r["script"] == "fsdp2_sft"
     assert 0 < found["prose_bpb", "bpb"]["value"] < 20 and found["prose_bpb", "bpb"]["n"] > 0
     assert "arith_reworded" in result.stdout and not traceback_through_our_code(result.stdout + result.stderr)
+    # A progress bar (stderr) names the checkpoint and the task running.
+    assert f"evaluating {out / 'checkpoints' / 'step_20'}" in result.stderr and "arith_reworded" in result.stderr
+    assert [path.name for path in tmp_path.iterdir()] == ["rows.jsonl"]  # written beside, then renamed
 
 
 def test_bad_input_is_one_line(tiny_run, tmp_path):

@@ -123,6 +123,19 @@ def test_generate_py_prints_the_vocabularys_unused_padding_rows_as_nothing(expor
                           f"model 'tiny'\n"  # what it loaded, on stderr: stdout holds the text alone
 
 
+def test_generate_py_says_in_one_line_that_a_reply_is_whitespace_only(exported, monkeypatch, capsys):
+    """An undertrained model that answers with line breaks alone gets one note on stderr, not 200 blank lines."""
+    newline = common.get_chat_tokenizer().encode_ordinary("\n")
+    monkeypatch.setattr(modeling, "generate_replies", lambda *args, **kwargs: [newline * 200])
+    monkeypatch.setattr(sys, "argv", ["generate.py", str(exported["fsdp2_pretrain.py"][1]), "--prompt", "Say"])
+    with pytest.raises(SystemExit):
+        runpy.run_path(str(REPO / "generate.py"), run_name="__main__")
+    printed = capsys.readouterr()
+    assert printed.out == "Say\n"
+    assert printed.err.splitlines()[1:] == ["note: the model's 200 new tokens are whitespace only: an undertrained "
+                                            "model"]
+
+
 def test_a_generate_py_chat_ends_cleanly_at_the_end_of_input(exported, monkeypatch, capsys):
     """One message, then the end of input (Ctrl-D at a terminal): the chat ends, no traceback, exit status 0."""
     checkpoint_dir = exported["fsdp2_sft.py"][0]

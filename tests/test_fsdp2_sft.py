@@ -1,4 +1,6 @@
 """fsdp2_sft.py end to end on CPU with gloo, and generate.py on the checkpoints of every script."""
+import json
+
 import pytest
 import torch
 
@@ -38,9 +40,14 @@ def test_sft_trains_on_assistant_tokens_only_and_resumes_exactly(tiny_run, tmp_p
     original, val = read_metrics(out)
     assert all(row["target_tokens"] < row["tokens"] for row in original.values())  # prompts carry no loss
     assert sorted(val) == [0, 10, 20] and val[20] < val[0]
+    # config.json records the checkpoint the weights came from: --init-from's newest, then the resumed one.
+    pretrained = tiny_run("fsdp2_pretrain.py")[0] / "checkpoints" / "step_20"
+    assert json.loads((out / "config.json").read_text())["started_from"] == str(pretrained)
     resumed_dir = copy_checkpoint(out, 10, tmp_path)
     check(run_script("fsdp2_sft.py", *TINY_RUN, *SFT_DATA, "--eval-generate", 8, "--out-dir", resumed_dir, "--resume",
                      nproc=2))
+    assert json.loads((resumed_dir / "config.json").read_text())["started_from"] == str(resumed_dir / "checkpoints" /
+                                                                                          "step_10")
     resumed, _ = read_metrics(resumed_dir)
     assert sorted(resumed) == list(range(11, 21))
     for step in range(11, 21):

@@ -6,8 +6,9 @@ CRASH_AT is `step:N` (just before this process's Nth optimizer step), `rollout:N
 this process's Nth step's sampling, the other ranks inside their synced generation) or `save:N` (in the middle of
 writing checkpoint step_N: DDP's rank 0 dies with half of checkpoint.pt written; under DCP, the rank dies as it starts
 the last dcp.save into the folder, the optimizer's for FSDP2). Just before dying, the rank writes the time to
-CRASH_STAMP, so a test can measure how long the rest of the job takes to notice. The scripts are not modified:
-this file patches the library calls they make, then runs the script as __main__.
+CRASH_STAMP, so a test can measure how long the rest of the job takes to notice. CRASH_TARGET=launcher: the rank
+SIGKILLs its parent, the torchrun launcher, instead of itself (the workers are then left to end on their own). The
+scripts are not modified: this file patches the library calls they make, then runs the script as __main__.
 """
 import io
 import os
@@ -29,7 +30,8 @@ target_folder = f".partial_step_{number}"
 
 def die():
     Path(os.environ["CRASH_STAMP"]).write_text(str(time.time()))
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getppid() if os.environ.get("CRASH_TARGET") == "launcher" else os.getpid(), signal.SIGKILL)
+    time.sleep(60)  # the launcher's death ends this process too (common.py), or the test sees that it did not
 
 
 if is_victim and kind == "step":

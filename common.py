@@ -68,22 +68,12 @@ def _report_error(exc_type, exc, tb, _default_hook=sys.excepthook):
     try:
         sys.stdout.flush()
         report_once(f"error: {exc}", sys.__stderr__)
-        record_for_torchrun(f"error: {exc}")
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's report ends with this file's line, where one looks
+            line, now = f"error: {exc}", str(int(time.time()))
+            record = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": now}}}
+            Path(os.environ["TORCHELASTIC_ERROR_FILE"]).write_text(json.dumps(record))
     finally:
         os._exit(exc.exit_status)
-
-
-def record_for_torchrun(line):
-    """torchrun's failure report ends with the first failed rank's error file (TORCHELASTIC_ERROR_FILE, in torch
-    elastic's JSON form): there the line closes the report, where the eye lands, instead of a link to torch's docs."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:
-        message = {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}
-        try:
-            with open(path, "w") as file:
-                json.dump({"message": message}, file)
-        except OSError:  # the line is on stderr already
-            pass
 
 
 sys.excepthook = _report_error
@@ -240,11 +230,9 @@ def finalize_args(args, tokens_per_step):
 
 
 def lock_folder(folder, flag):
-    """Hold FOLDER while this process runs, so that no second run writes into it: an flock on FOLDER/.lock, which the
-    operating system releases when the process ends, however it ends (a stale lock never blocks). A folder held by
-    another process is one line naming its holder; nothing in it is touched. Keep the returned file open."""
+    """Hold FOLDER while this process runs: an flock on FOLDER/.lock, which the system releases however the process
+    ends. A folder another process holds is one line naming the holder; nothing in it is touched. Keep the file open."""
     import fcntl
-    import socket
 
     Path(folder).mkdir(parents=True, exist_ok=True)
     lock = open(Path(folder) / ".lock", "a+")
@@ -252,35 +240,12 @@ def lock_folder(folder, flag):
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         lock.seek(0)
-        holder = lock.read().strip() or "another process"
-        lock.close()
-        raise UsageError(f"{flag} {folder} is in use by {holder}: wait for that run or stop it, or choose another "
-                         f"{flag}") from None
+        raise UsageError(f"{flag} {folder} is in use by {lock.read().strip() or 'another process'}: wait for that run "
+                         f"or stop it, or choose another {flag}") from None
     lock.truncate(0)
-    lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")  # named in the line a second run gets
+    lock.write(f"pid {os.getpid()} on {os.uname().nodename}\n")  # for the line a second run gets
     lock.flush()
     return lock
-
-
-def read_metrics(run_dir, what_to_do):
-    """The rows of RUN_DIR/metrics.jsonl (none readable: one line ending in WHAT_TO_DO). A line that is no whole row (a
-    last line cut short as its run was killed, or a damaged file) is skipped, and said once on stderr."""
-    path = Path(run_dir) / "metrics.jsonl"
-    try:
-        lines = [line for line in path.read_text().splitlines() if line.strip()]
-    except (OSError, ValueError) as error:
-        raise UsageError(f"{run_dir}: no readable metrics.jsonl ({error_reason(error)}): {what_to_do}") from None
-    rows = []
-    for line in lines:
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue
-    rows = [row for row in rows if isinstance(row, dict)]
-    if len(rows) < len(lines):
-        print(f"note: {path}: skipped {len(lines) - len(rows)} line(s) that hold no whole row (a run stopped while "
-              f"writing one)", file=sys.stderr)
-    return rows
 
 
 def flag_values(args):

@@ -52,10 +52,13 @@ def open_metrics(path, resumed_step):
     path = Path(path)
     if resumed_step is None or not path.exists():
         return open(path, "wb", buffering=0)
-    rows = [row for row in common.read_metrics(path.parent, "") if row.get("step", math.inf) <= resumed_step]
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    os.replace(partial, path)  # whole, or as it was: a reader meanwhile sees one of the two
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:  # the last line of a run killed as it wrote it
+            print(f"note: {path}: skipped 1 line that holds no whole row: {line[:60]}", file=sys.stderr)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows if row["step"] <= resumed_step))
     return open(path, "ab", buffering=0)
 
 

@@ -41,6 +41,7 @@ import numpy as np
 
 import checkpoints
 import common
+import plot
 import prepare_data
 import tasks
 
@@ -191,8 +192,8 @@ def prepare_reference(out_dir):
 def control_flags(out_dir):
     """The control: as many SFT steps as fit in GRPO's training time at the SFT's own pace (both timed from their
     first step to their last, start-up and evaluation included), at the SFT's final learning rate, held."""
-    sft_rows = [row for row in common.read_metrics(out_dir / "sft", RUN_IT) if "elapsed_s" in row]
-    grpo_rows = [row for row in common.read_metrics(out_dir / "grpo", RUN_IT) if "elapsed_s" in row]
+    sft_rows = [row for row in plot.read_metrics(out_dir / "sft", RUN_IT) if "elapsed_s" in row]
+    grpo_rows = [row for row in plot.read_metrics(out_dir / "grpo", RUN_IT) if "elapsed_s" in row]
     if not sft_rows or not grpo_rows:
         raise common.UsageError(f"{out_dir}: the sft and grpo runs logged no steps: run those stages first")
     seconds_per_step = sft_rows[-1]["elapsed_s"] / sft_rows[-1]["step"]
@@ -208,12 +209,11 @@ def evaluate_stages(out_dir, stages, args):
     draws); its rows, each with its stage, whether it is the run's newest, the training tokens the stages before it
     had seen (stage_start), and those it and they had seen at that checkpoint."""
     import evaluate
-    import plot
 
     rows, seen = [], {}  # seen: the tokens each run had trained on when it ended
     for stage in stages:
         source = source_of(stage, args)
-        steps = [row for row in common.read_metrics(out_dir / stage, RUN_IT) if "loss" in row]
+        steps = [row for row in plot.read_metrics(out_dir / stage, RUN_IT) if "loss" in row]
         run_tokens = dict(zip([row["step"] for row in steps], np.cumsum([row["tokens"] for row in steps])))
         before = seen.get(source, 0) if source in stages else 0
         seen[stage] = before + (int(max(run_tokens.values())) if run_tokens else 0)
@@ -309,8 +309,6 @@ def main():
             raise common.UsageError(f"--out-dir {out_dir} holds no stage's checkpoints: run the training stages first")
         rows = evaluate_stages(out_dir, stages, args)
         (out_dir / "eval.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-        import plot
-
         plots = {"pretrain": ["pretrain", "mid"], "sft": ["sft", "reference"], "grpo": ["grpo", "control"]}
         plots = {name: [out_dir / stage for stage in runs if stage in stages] for name, runs in plots.items()}
         for name, runs in plots.items():

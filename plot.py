@@ -9,6 +9,7 @@ RUN_DIR is a script's --out-dir (its metrics.jsonl), and --out may stand anywher
 its folder's name (and its parents', where two runs share a name) and drawn in one colour in every panel.
 """
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,10 +23,32 @@ PANELS = [("loss", "step", "training loss"), ("loss", "tokens", "training loss")
           ("reply_tokens", "step", "reply length (tokens)")]
 
 
+def read_metrics(run_dir, what_to_do):
+    """The rows of RUN_DIR/metrics.jsonl (none readable: one line ending in WHAT_TO_DO). A line that is no whole row (a
+    last line cut short as its run was killed, or a damaged file) is skipped, and said once on stderr."""
+    path = Path(run_dir) / "metrics.jsonl"
+    try:
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError) as error:
+        raise common.UsageError(f"{run_dir}: no readable metrics.jsonl ({common.error_reason(error)}): "
+                                f"{what_to_do}") from None
+    rows = []
+    for line in lines:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    rows = [row for row in rows if isinstance(row, dict)]
+    if len(rows) < len(lines):
+        print(f"note: {path}: skipped {len(lines) - len(rows)} line(s) that hold no whole row (a run stopped while "
+              f"writing one)", file=sys.stderr)
+    return rows
+
+
 def read_run(run_dir):
     """{(metric, x): ([x], [y])} of a run, x being "step", or "tokens": the tokens trained on up to that step (the
     running total of the logged steps' tokens; with --log-every N, N times that, an estimate)."""
-    rows = common.read_metrics(run_dir, "pass a script's --out-dir")
+    rows = read_metrics(run_dir, "pass a script's --out-dir")
     config = Path(run_dir) / "config.json"
     log_every = json.loads(config.read_text())["flags"].get("log_every", 1) if config.is_file() else 1
     series, tokens = {}, 0

@@ -79,36 +79,37 @@ def export(checkpoint, out_dir):
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise common.UsageError(f"{out_dir} already exists and is not empty: choose a new OUT_DIR (export never "
                                 f"overwrites)")
+    partial_dir = out_dir.with_name(f".partial_{out_dir.name}")  # renamed once complete, like the checkpoints
+    partial_lock = common.lock_folder(partial_dir, "OUT_DIR")  # one export into OUT_DIR at a time, until the rename
     model, meta = loading.load_checkpoint_model(checkpoint_dir)
     model = llama_model(model)
     model.generation_config.pad_token_id = common.EOT_ID
     if meta.get("chat_format"):  # a chat model ends its reply with <|end_of_turn|>
         model.generation_config.eos_token_id = [common.SPECIAL_TOKENS[common.END_OF_TURN], common.EOT_ID]
 
-    partial_dir = out_dir.with_name(f".partial_{out_dir.name}")  # renamed once complete, like the checkpoints
-    with common.lock_folder(partial_dir, "OUT_DIR"):  # one export into OUT_DIR at a time
-        for leftover in [path for path in partial_dir.iterdir() if path.name != ".lock"]:  # a killed export's
-            if leftover.is_dir():
-                shutil.rmtree(leftover)
-            else:
-                leftover.unlink()
-        model.save_pretrained(partial_dir)  # config.json, generation_config.json, model.safetensors (tied head once)
-        hf_tokenizer().save_pretrained(partial_dir)
-        umask = os.umask(0)
-        os.umask(umask)  # read back: the mode any file the user writes gets (644 under the usual umask)
-        for file in partial_dir.iterdir():
-            file.chmod(0o666 & ~umask)  # model.safetensors comes out 600 (written as a private temporary file)
-        why = ("Qwen2 weights as Llama with attention_bias=True and zero o_proj biases (same logits), so that "
-               "AutoTokenizer keeps GPT2Tokenizer")
-        # The checkpoint's meta.json, for this folder: the tools and --init-from read it as a checkpoint's; none resumes
-        files = {file.name: file.stat().st_size for file in sorted(partial_dir.iterdir()) if file.name != ".lock"}
-        export = {"checkpoint": str(checkpoint_dir), "architecture": "LlamaForCausalLM", "why": why}
-        (partial_dir / "meta.json").write_text(json.dumps({**meta, "resumed_by": [], "export": export, "files": files},
-                                                          indent=2))
-        if out_dir.exists():
-            out_dir.rmdir()  # empty, checked above
-        (partial_dir / ".lock").unlink()  # not part of the export; held until the rename
-        partial_dir.rename(out_dir)
+    for leftover in [path for path in partial_dir.iterdir() if path.name != ".lock"]:  # a killed export's
+        if leftover.is_dir():
+            shutil.rmtree(leftover)
+        else:
+            leftover.unlink()
+    model.save_pretrained(partial_dir)  # config.json, generation_config.json, model.safetensors (tied head once)
+    hf_tokenizer().save_pretrained(partial_dir)
+    umask = os.umask(0)
+    os.umask(umask)  # read back: the mode any file the user writes gets (644 under the usual umask)
+    for file in partial_dir.iterdir():
+        file.chmod(0o666 & ~umask)  # model.safetensors comes out 600 (written as a private temporary file)
+    why = ("Qwen2 weights as Llama with attention_bias=True and zero o_proj biases (same logits), so that "
+           "AutoTokenizer keeps GPT2Tokenizer")
+    # The checkpoint's meta.json, for this folder: the tools and --init-from read it as a checkpoint's, none resumes it.
+    files = {file.name: file.stat().st_size for file in sorted(partial_dir.iterdir()) if file.name != ".lock"}
+    export = {"checkpoint": str(checkpoint_dir), "architecture": "LlamaForCausalLM", "why": why}
+    (partial_dir / "meta.json").write_text(json.dumps({**meta, "resumed_by": [], "export": export, "files": files},
+                                                      indent=2))
+    if out_dir.exists():
+        out_dir.rmdir()  # empty, checked above
+    (partial_dir / ".lock").unlink()  # not part of the export; held until the rename
+    partial_dir.rename(out_dir)
+    partial_lock.close()
     return checkpoint_dir, meta
 
 

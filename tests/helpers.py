@@ -187,6 +187,11 @@ def check(result):
     return result
 
 
+def shown(reply_text):
+    """What generate.py prints of a reply: its text, or nothing where that is whitespace only (it says so on stderr)."""
+    return reply_text if reply_text.strip() else ""
+
+
 def reply_saying(answer):
     """The token ids of a reply "The answer is ANSWER." between the solution markers, then its end marker."""
     import common
@@ -296,7 +301,6 @@ def run_until_the_first_collective(script, flags, world_size, monkeypatch):
     """The script's code in this process, as rank 0 of world_size, until it would start its process group
     (common.init_process_group raises ReachedACollective instead); returns (exit code, what it printed to stderr)."""
     import contextlib
-    import gc
     import io
     import runpy
 
@@ -306,6 +310,8 @@ def run_until_the_first_collective(script, flags, world_size, monkeypatch):
         raise ReachedACollective(script)
 
     monkeypatch.setattr(common, "init_process_group", stop)
+    locks, lock_folder = [], common.lock_folder
+    monkeypatch.setattr(common, "lock_folder", lambda *args: locks.append(lock_folder(*args)) or locks[-1])
     monkeypatch.setattr(sys, "argv", [script, *flags])
     monkeypatch.chdir(REPO)  # relative paths (the defaults runs/..., data/...) as from a checkout's root
     for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size)}.items():
@@ -319,5 +325,6 @@ def run_until_the_first_collective(script, flags, world_size, monkeypatch):
     except SystemExit as exit:  # argparse
         return exit.code, stderr.getvalue()
     finally:
-        gc.collect()  # the script's globals, its run folder's lock among them: released as its process would at exit
+        for lock in locks:  # the run folder's lock, released as the script's process would release it at exit
+            lock.close()
     raise AssertionError(f"{script} {flags}: no error before its first collective")

@@ -17,7 +17,7 @@ import export_hf
 import loading
 import modeling
 import tasks
-from helpers import REPO, SFT_DATA, check, read_metrics, run_script, tree_hashes
+from helpers import REPO, SFT_DATA, check, read_metrics, run_script, shown, tree_hashes
 from prepare_data import encode_conversation
 
 SCRIPTS = ["ddp_pretrain.py", "fsdp1_pretrain.py", "fsdp2_pretrain.py", "fsdp2_tp_pretrain.py", "fsdp2_cp_pretrain.py",
@@ -98,7 +98,7 @@ def test_pipeline_and_generate_py_on_the_export_answer_as_the_checkpoint_does(ex
     prompt, _ = encode_conversation(tokenizer, [("system", tasks.BUILTIN_SYSTEM_PROMPT), ("user", question)])
     with torch.no_grad():
         reply = modeling.generate_replies(model, [prompt + [common.SPECIAL_TOKENS["<|assistant|>"]]], 24)[0]
-    assert printed == tokenizer.decode(reply).removesuffix(common.END_OF_TURN) + "\n"
+    assert printed == shown(tokenizer.decode(reply).removesuffix(common.END_OF_TURN)) + "\n"
     chat = transformers.pipeline("text-generation", model=str(out_dir), device="cpu")
     messages = [{"role": "system", "content": tasks.BUILTIN_SYSTEM_PROMPT}, {"role": "user", "content": question}]
     output = chat(messages, max_new_tokens=24, do_sample=False, skip_special_tokens=False)  # keep the reasoning markers
@@ -144,8 +144,10 @@ def test_a_generate_py_chat_ends_cleanly_at_the_end_of_input(exported, monkeypat
     runpy.run_path(str(REPO / "generate.py"), run_name="__main__")  # returns: it neither raises nor exits non-zero
     printed = capsys.readouterr()
     assert printed.out.startswith("user> assistant> ") and printed.out.endswith("\nuser> \n")
-    assert printed.err == (f"loaded {checkpoint_dir} (fsdp2_sft.py, step 20), model 'tiny'\n"
-                           "system message: 'Reason step by step.', the built-in set's (--system to change)\n")
+    lines = printed.err.splitlines()  # then a note, where the reply was whitespace only
+    assert lines[:2] == [f"loaded {checkpoint_dir} (fsdp2_sft.py, step 20), model 'tiny'",
+                         "system message: 'Reason step by step.', the built-in set's (--system to change)"]
+    assert all(line.startswith("note: the model's ") and "whitespace only" in line for line in lines[2:])
 
 
 def test_export_refuses_a_partial_checkpoint_and_a_used_out_dir(exported, tmp_path):

@@ -105,7 +105,7 @@ def test_pipeline_and_generate_py_on_the_export_answer_as_the_checkpoint_does(ex
     reply = output[0]["generated_text"][-1]
     assert reply["role"] == "assistant"
     # generation stopped at the end of the turn alike
-    assert printed == reply["content"].removesuffix("<|end_of_turn|>") + "\n"
+    assert printed == shown(reply["content"].removesuffix("<|end_of_turn|>")) + "\n"
 
 
 def test_generate_py_prints_the_vocabularys_unused_padding_rows_as_nothing(exported, monkeypatch, capsys):

@@ -94,9 +94,8 @@ def estimate_memory(args, model, optimizer, train_step, device, micro_batches):
         parameter.grad = torch.zeros_like(parameter)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    buckets = []
+    buckets, sharded = [], isinstance(model, FSDPModule)
     for bucket_len in args.buckets:
-        sharded = isinstance(model, FSDPModule)
         tracker = FSDPMemTracker(model, optimizer) if sharded else MemTracker()
         if not sharded:
             tracker.track_external(model, optimizer)  # FSDPMemTracker finds them itself

@@ -143,7 +143,10 @@ class Forked:
 
     def kill(self):
         if self.poll() is None:
-            os.kill(self.pid, signal.SIGKILL)
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:  # it has ended and the zygote has yet to send its status
+                pass
 
 
 def free_port():

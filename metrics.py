@@ -52,13 +52,14 @@ def open_metrics(path, resumed_step):
     path = Path(path)
     if resumed_step is None or not path.exists():
         return open(path, "wb", buffering=0)
-    rows = []
+    kept = []
     for line in path.read_text().splitlines():
         try:
-            rows.append(json.loads(line))
-        except ValueError:  # the last line of a run killed as it wrote it
+            if json.loads(line)["step"] <= resumed_step:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):  # the last line of a run killed as it wrote it, or a damaged one
             print(f"note: {path}: skipped 1 line that holds no whole row: {line[:60]}", file=sys.stderr)
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows if row["step"] <= resumed_step))
+    path.write_text("".join(kept))
     return open(path, "ab", buffering=0)
 
 

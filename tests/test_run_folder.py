@@ -62,6 +62,9 @@ def test_a_torn_last_line_is_skipped_and_said_once_by_plot_and_by_resume(tmp_pat
         resumed.write(f"{json.dumps({'step': 2, 'loss': 7.5})}\n".encode())
     assert len(capsys.readouterr().err.splitlines()) == 1
     assert (tmp_path / "metrics.jsonl").read_text() == text.rsplit("\n", 2)[0] + "\n" + '{"step": 2, "loss": 7.5}\n'
+    (tmp_path / "metrics.jsonl").write_text('[1]\n{"step": 1, "loss": 8.0}\n')  # a damaged line that is JSON
+    metrics.open_metrics(tmp_path / "metrics.jsonl", 1).close()
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 8.0}\n'
 
 
 def test_the_tools_refuse_a_folder_in_use(tiny_run, tmp_path, monkeypatch):

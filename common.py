@@ -203,8 +203,8 @@ def get_parser(description, default_out_dir):
     add("--seed", type=NON_NEGATIVE_INT, default=1337, help="seeds the model's init, the data order and any sampling")
     add("--dtype", choices=["bf16", "fp32"], default=None, help="compute dtype (default: bf16 on CUDA, fp32 on CPU)")
     add("--compile", action="store_true", help="torch.compile each decoder layer, one graph per bucket length")
-    add("--activation-checkpointing", choices=["full", "selective"], default="full", help="full: recompute each "
-        "decoder layer in backward; selective: keep its matmuls' and attention's outputs (more memory, less compute)")
+    add("--activation-checkpointing", choices=["full", "selective", "none"], default="full", help="full: recompute "
+        "each decoder layer in backward; selective: keep its matmuls' and attention's outputs; none: keep all of them")
     add("--loss-chunk-rows", type=COUNT, default=None, help="rows of logits the loss makes at a time: fewer, less "
         "memory (default: 4096 on a GPU, 128 on a CPU)")
     add("--estimate-memory", choices=["fake", "real"], default=None, help="measure one training step per bucket on "

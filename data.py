@@ -256,12 +256,12 @@ def epoch_schedule(lengths, buckets, tokens_per_batch, world_size, grad_accum, s
                     np.concatenate(bucket_lens)[steps])
 
 
-def collate(split, sample_ids, bucket_len, batch_size):
+def collate(split, sample_ids, bucket_len, batch_size, device):
     """Input ids and targets of the samples at `sample_ids`, right-padded to the bucket length (under a causal mask,
-    padding on the right changes no real token's output: no attention mask). Target t is token t+1 where that token
-    carries a loss; padding, and rows beyond the samples, never do."""
-    input_ids = torch.full((batch_size, bucket_len), common.EOT_ID, dtype=torch.long)
-    targets = torch.full((batch_size, bucket_len), common.IGNORE_INDEX, dtype=torch.long)
+    padding on the right changes no real token's output: no attention mask), on `device` (a GPU's: copied from pinned
+    memory, so the host does not wait). Target t is token t+1 where that token carries a loss; padding never does."""
+    input_ids, targets = (torch.full((batch_size, bucket_len), fill, dtype=torch.long, pin_memory=device.type == "cuda")
+                          for fill in (common.EOT_ID, common.IGNORE_INDEX))
     for row, i in enumerate(sample_ids):
         start, n = split.starts[i], split.lengths[i]
         input_ids[row, :n] = torch.from_numpy(sample_tokens(split, i))
@@ -270,7 +270,7 @@ def collate(split, sample_ids, bucket_len, batch_size):
         if mask is not None:  # conversations: only the assistant's tokens are targets
             not_targets = torch.from_numpy(mask[start + 1:start + n] == 0)
             targets[row, :n - 1].masked_fill_(not_targets, common.IGNORE_INDEX)
-    return input_ids, targets
+    return input_ids.to(device, non_blocking=True), targets.to(device, non_blocking=True)
 
 
 # ----------------------------------------------------------------------------------------------

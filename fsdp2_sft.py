@@ -158,12 +158,12 @@ def train_step(batches, target_tokens):
         # ranks, so we multiply by world_size to turn that average back into the sum.
         model.set_requires_gradient_sync(micro == len(batches) - 1)  # FSDP2's switch for no_sync()
         # The summed loss; logits only at target positions, a chunk at a time (modeling.Qwen2WithChunkedLoss).
-        micro_loss_sum = model(input_ids=input_ids.to(device), targets=targets.to(device))
+        micro_loss_sum = model(input_ids=input_ids, targets=targets)
         (micro_loss_sum * world_size / target_tokens).backward()
         loss_sum += micro_loss_sum.detach()
-    # The norm by hand, then the library clips with it: on CPU, torch's fp32 vector_norm (inside clip_grad_norm_)
-    # drifts by ~1e-4 on large tensors (pytorch#169237), while a sum of squares is exact to ~1e-7.
-    grad_norm = torch.stack([p.grad.square().sum() for p in model.parameters()]).sum().sqrt().full_tensor()
+    # Every gradient's norm in one foreach kernel, in fp64: on a CPU fp32 drifts ~1e-4 on big tensors (pytorch#169237).
+    norms = torch._foreach_norm([p.grad for p in model.parameters()], 2, torch.float64)  # DTensors: each shard's
+    grad_norm = torch.stack(norms).square().sum().sqrt().float().full_tensor()  # one all-reduce adds the shards'
     torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.grad_clip or float("inf"), grad_norm)
     return loss_sum, grad_norm
 
@@ -233,8 +233,8 @@ def evaluate():
     for i, (name, schedule) in enumerate(val_schedules.items()):
         for bucket_len, samples in schedule:
             batch_size = data.bucket_batch_size(args.tokens_per_batch, bucket_len)
-            input_ids, targets = data.collate(val[name], samples[rank::world_size], bucket_len, batch_size)
-            loss_sums[i] += model(input_ids=input_ids.to(device), targets=targets.to(device))  # summed over the targets
+            input_ids, targets = data.collate(val[name], samples[rank::world_size], bucket_len, batch_size, device)
+            loss_sums[i] += model(input_ids=input_ids, targets=targets)  # summed over the targets
     mine = list(range(rank, len(val_prompts), world_size))  # each rank answers its share, in one batch
     prompts = [val_prompts[i] for i in mine]
     replies = modeling.generate_replies(model, prompts, max_reply_tokens, synced=True) if val_prompts else []
@@ -283,16 +283,16 @@ while step < args.max_steps:
     batch_size = data.bucket_batch_size(args.tokens_per_batch, bucket_len)
     tokens = int(train.lengths[step_samples].sum())
     target_tokens = int(train.target_counts[step_samples].sum())  # positions with a loss, all ranks
-    metrics.reset_peak_memory(device)  # on CUDA each row's peak is its own step's, so per bucket
     step_start = time.perf_counter()
 
-    # Dealt round-robin, so that a bucket's short last step spreads evenly over the ranks.
+    # Dealt round-robin (a bucket's short last step spreads evenly over the ranks); made while the GPU runs the update.
     batches = [data.collate(train, step_samples[micro * world_size + rank::world_size * args.grad_accum], bucket_len,
-                            batch_size) for micro in range(args.grad_accum)]
+                            batch_size, device) for micro in range(args.grad_accum)]
     loss_sum, grad_norm = train_step(batches, target_tokens)
     dist.all_reduce(loss_sum)  # for the log and the check: the gradients were already exact
-    loss = loss_sum.item() / target_tokens
-    metrics.stop_if_nonfinite(step + 1, loss, grad_norm.item())  # global values: all ranks stop alike, before updating
+    loss_sum, grad_norm = torch.stack([loss_sum, grad_norm]).tolist()  # the step's one wait for the device
+    loss = loss_sum / target_tokens
+    metrics.stop_if_nonfinite(step + 1, loss, grad_norm)  # global values: all ranks stop alike, before updating
     lr = common.learning_rate(step, args)  # from the step and this run's flags: a resumed run follows a new --lr
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -301,28 +301,28 @@ while step < args.max_steps:
     step += 1
 
     step_time = time.perf_counter() - step_start
-    step_peak_mem_gb = metrics.peak_memory_gb(device)
+    step_peak_mem_gb, step_peak_reserved_gb = metrics.step_peak_memory_gb(device)
     run_peak_mem_gb = max(run_peak_mem_gb, step_peak_mem_gb)
     padded_tokens = world_size * args.grad_accum * batch_size * bucket_len
     total_tokens, total_padded = total_tokens + tokens, total_padded + padded_tokens
     flops = modeling.flops_per_token(n_params, model_config, bucket_len) * tokens
     mfu = flops / step_time / (peak_flops * world_size) if peak_flops else None  # None where the peak is unknown (CPUs)
     if step % args.log_every == 0 or step == args.max_steps:
-        log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(), "tokens": tokens,
+        log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
              "padded_tokens": padded_tokens, "target_tokens": target_tokens, "bucket_len": bucket_len,
              "batch_size": batch_size, "tokens_per_s": tokens / step_time,
-             "mfu": mfu, "peak_mem_gb": step_peak_mem_gb, "peak_reserved_gb": metrics.peak_reserved_memory_gb(device),
+             "mfu": mfu, "peak_mem_gb": step_peak_mem_gb, "peak_reserved_gb": step_peak_reserved_gb,
              "elapsed_s": time.perf_counter() - start_time})
     if step % args.eval_every == 0 or step == args.max_steps:
         validation = evaluate()
         log({"step": step, **validation})
     if step % args.save_every == 0 or step == args.max_steps:
         save_checkpoint(step, data_position)
-    if rank == 0:
-        progress.update(1)
+    if rank == 0:  # the bar redraws at most every 0.1 s (tqdm's mininterval), not at every step
         progress.set_postfix({"loss": f"{loss:.3f}", "tok/s": f"{tokens / step_time:,.0f}",
                               **({"mfu": f"{mfu:.1%}"} if mfu else {}), "mem": f"{step_peak_mem_gb:.2f}GB",
-                              "bucket": bucket_len})
+                              "bucket": bucket_len}, refresh=False)
+        progress.update(1)
 
 # ---------------------------------------------------------------------------------------------- end
 if rank == 0:

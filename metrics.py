@@ -27,22 +27,14 @@ def device_peak_flops(device):
     return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
 
 
-def reset_peak_memory(device):
-    """Start a new CUDA peak, so that each step's row shows its own (and its bucket's); a CPU's is the run's so far."""
+def step_peak_memory_gb(device):
+    """Peak memory since the last call, so each step's row shows its own: the CUDA allocator's allocated and held (its
+    cache and fragmentation on top: what runs out first); on a CPU, the process's peak resident set so far, and None."""
     if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def peak_memory_gb(device):
-    """Peak memory since the last reset: CUDA allocator peak, or on CPU the process's peak resident set size."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024) / 1e9
-
-
-def peak_reserved_memory_gb(device):
-    """The CUDA allocator's peak held memory: peak_memory_gb plus its cache and fragmentation (None on CPU)."""
-    return torch.cuda.max_memory_reserved(device) / 1e9 if device.type == "cuda" else None
+        peaks = torch.cuda.max_memory_allocated(device) / 1e9, torch.cuda.max_memory_reserved(device) / 1e9
+        torch.cuda.reset_peak_memory_stats(device)  # no wait for the device: the allocator counts on the host
+        return peaks
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024) / 1e9, None
 
 
 def open_metrics(path, resumed_step):
@@ -100,8 +92,8 @@ def estimate_memory(args, model, optimizer, train_step, device, micro_batches):
         tracker = FSDPMemTracker(model, optimizer) if sharded else MemTracker()
         if not sharded:
             tracker.track_external(model, optimizer)  # FSDPMemTracker finds them itself
-        reset_peak_memory(device)
-        batch = torch.zeros(args.tokens_per_batch // bucket_len, bucket_len, dtype=torch.long)  # only shapes matter
+        step_peak_memory_gb(device)  # a new peak
+        batch = torch.zeros(args.tokens_per_batch // bucket_len, bucket_len, dtype=torch.long, device=device)
         # A tracker follows one forward per module: its records restart at each micro-batch's, in a global hook, which
         # runs before every module's own (FSDP's among them).
         restart = register_module_forward_pre_hook(lambda module, _: tracker.reset_mod_stats() if module is model
@@ -120,7 +112,7 @@ def estimate_memory(args, model, optimizer, train_step, device, micro_batches):
             peak["Total"] += peak["DDP buckets"]
         buckets.append({"bucket_len": bucket_len, "batch_size": args.tokens_per_batch // bucket_len,
                         "categories": {getattr(kind, "value", kind): size for kind, size in peak.items()},
-                        "peak_mem_gb": peak_memory_gb(device), "peak_reserved_gb": peak_reserved_memory_gb(device)})
+                        **dict(zip(["peak_mem_gb", "peak_reserved_gb"], step_peak_memory_gb(device)))})
     if dist.get_rank() == 0:
         report = {"flags": common.flag_values(args), "world_size": dist.get_world_size(), "buckets": buckets}
         (Path(args.out_dir) / "memory.json").write_text(json.dumps(report, indent=1) + "\n")

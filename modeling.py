@@ -21,12 +21,13 @@ class Qwen2WithChunkedLoss(transformers.Qwen2ForCausalLM):
             return super().forward(input_ids=input_ids, position_ids=position_ids, **kwargs)
         if targets is None or kwargs:  # with targets, no other argument may be dropped silently
             raise ValueError(f"a loss takes targets, and input_ids, position_ids or weights: got {sorted(kwargs)}")
-        hidden = self.model(input_ids=input_ids, position_ids=position_ids).last_hidden_state
-        return chunked_cross_entropy(hidden, self.lm_head.weight, targets, weights, self.loss_chunk_rows)
+        # The layers' mask given (None: causal; padding is on the right): transformers' checks for packed rows, a wait.
+        hidden = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask={"full_attention": None})
+        return chunked_cross_entropy(hidden[0], self.lm_head.weight, targets, weights, self.loss_chunk_rows)
 
 
 def build_model(preset, activation_checkpointing="full", loss_chunk_rows=None, fake=False):
-    """A Qwen2WithChunkedLoss with the GPT-2 vocabulary and activation checkpointing, "full" or "selective", in
+    """A Qwen2WithChunkedLoss with the GPT-2 vocabulary and activation checkpointing ("full", "selective" or "none"), in
     transformers' own init (normal(0, 0.02) matrices, zero biases): the first loss sits at ln(50,304) = 10.83.
     fake=True: fake tensors (shapes and dtypes, no memory, no values) for estimate_memory.py."""
     rope = {"rope_type": "default", "rope_theta": MODEL_PRESETS[preset]["rope_theta"]}
@@ -40,15 +41,15 @@ def build_model(preset, activation_checkpointing="full", loss_chunk_rows=None, f
             model.to_empty(device="cpu")
         model.tie_weights()  # to_empty gave the head a tensor of its own: the embedding's again
     model.loss_chunk_rows = loss_chunk_rows
-    # Recompute each decoder layer in backward instead of storing its activations (non-reentrant).
-    checkpoint_kwargs = {"use_reentrant": False}
-    if activation_checkpointing == "selective":  # torch's selective checkpointing: a policy per op
-        checkpoint_kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts,
-                                                            selective_checkpoint_policy)
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs)
-    # transformers also hooks the embedding to make its output require grad, even under no_grad: only reentrant
-    # checkpointing needs that, and under --compile it would cost every bucket a third graph (evaluation, first layer).
-    model.disable_input_require_grads()
+    if activation_checkpointing != "none":  # recompute each decoder layer in backward, instead of keeping activations
+        checkpoint_kwargs = {"use_reentrant": False}
+        if activation_checkpointing == "selective":  # torch's selective checkpointing: a policy per op
+            checkpoint_kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts,
+                                                                selective_checkpoint_policy)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs)
+        # transformers also hooks the embedding to make its output require grad, even under no_grad: only reentrant
+        # checkpointing needs that, and under --compile it costs every bucket a third graph (evaluation, first layer).
+        model.disable_input_require_grads()
     return model
 
 
@@ -73,31 +74,22 @@ LOSS_CHUNK_ROWS = {"cpu": 128, "cuda": 4096}
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
-    """Summed cross-entropy of hidden @ weight.T (rows times row_weights, if given), a chunk at a time, each chunk's
-    gradients made at once: no chunk's logits outlive it, the plain loss's FLOPs in a fraction of its memory."""
+    """Summed cross-entropy of hidden @ weight.T (rows times row_weights, if given), a chunk at a time, and (needs_grad)
+    each chunk's gradients at once: no chunk's logits outlive it, the plain loss's FLOPs in a fraction of its memory."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, row_weights, rows):
-        needs_grad = any(ctx.needs_input_grad[:2])
+    def forward(ctx, hidden, weight, targets, row_weights, rows, needs_grad):
         loss = torch.zeros((), device=hidden.device, dtype=torch.float32)
         grad_hidden = torch.empty_like(hidden) if needs_grad else None
         # Made like hidden, not like weight: FSDP's gathered weight sits in its own buffer, real even in a fake run.
         grad_weight = hidden.new_zeros(weight.shape, dtype=torch.float32) if needs_grad else None
-        for start in range(0, len(hidden), rows):
-            chunk, chunk_targets = hidden[start:start + rows], targets[start:start + rows]
-            logits = (chunk @ weight.T).float()  # in the compute dtype (bf16 under mixed precision), then fp32
-            log_normalizer = logits.logsumexp(dim=-1)
-            losses = log_normalizer - logits.gather(1, chunk_targets[:, None]).squeeze(1)
-            chunk_weights = None if row_weights is None else row_weights[start:start + rows].float()
-            loss += (losses if chunk_weights is None else chunk_weights * losses).sum()
+        for chunk in (slice(start, start + rows) for start in range(0, len(hidden), rows)):
+            chunk_weights = None if row_weights is None else row_weights[chunk].float()
+            chunk_loss, grad_logits = logit_losses(hidden[chunk], weight, targets[chunk], chunk_weights, needs_grad)
+            loss += chunk_loss
             if needs_grad:
-                grad_logits = logits.sub_(log_normalizer[:, None]).exp_()  # softmax, in place
-                grad_logits[torch.arange(len(chunk)), chunk_targets] -= 1
-                if chunk_weights is not None:
-                    grad_logits.mul_(chunk_weights[:, None])
-                grad_logits = grad_logits.to(chunk.dtype)
-                grad_hidden[start:start + rows] = grad_logits @ weight
-                grad_weight += grad_logits.T @ chunk
+                grad_hidden[chunk] = grad_logits @ weight
+                grad_weight += grad_logits.T @ hidden[chunk]
         if needs_grad:
             ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
         return loss
@@ -105,18 +97,32 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None, None
+        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None, None, None
+
+
+def logit_losses(hidden, weight, targets, row_weights, needs_grad):
+    """A chunk's summed loss and (needs_grad) its gradient with respect to its logits, in hidden's dtype."""
+    logits = (hidden @ weight.T).float()  # in the compute dtype (bf16 under mixed precision), then fp32
+    log_normalizer = logits.logsumexp(dim=-1)
+    losses = log_normalizer - logits.gather(1, targets[:, None]).squeeze(1)
+    loss = (losses if row_weights is None else row_weights * losses).sum()
+    if not needs_grad:
+        return loss, None
+    grad_logits = logits.sub_(log_normalizer[:, None]).exp_()  # softmax, in place
+    grad_logits[torch.arange(len(targets), device=targets.device), targets] -= 1  # made on the device: no copy to it
+    if row_weights is not None:
+        grad_logits.mul_(row_weights[:, None])
+    return loss, grad_logits.to(hidden.dtype)
 
 
 def chunked_cross_entropy(hidden, weight, targets, weights=None, rows=None):
     """Sum of -log p(target) (times weights, if given) where the target is not IGNORE_INDEX: logits only there, so
     padding and prompts cost nothing in the head; `rows` of logits at a time. Eager: its shapes hang on the data."""
-    if not torch.is_grad_enabled():  # evaluation: apply() would see the weight's requires_grad and make its gradient
-        hidden, weight = hidden.detach(), weight.detach()
     is_target = (targets != IGNORE_INDEX).nonzero(as_tuple=True)  # indices of real targets index fake hidden states
     row_weights = None if weights is None else weights[is_target]
     rows = rows or LOSS_CHUNK_ROWS.get(hidden.device.type, 4096)
-    return ChunkedCrossEntropy.apply(hidden[is_target], weight, targets[is_target], row_weights, rows)
+    return ChunkedCrossEntropy.apply(hidden[is_target], weight, targets[is_target], row_weights, rows,
+                                     torch.is_grad_enabled())
 
 
 def count_parameters(model):

@@ -92,7 +92,7 @@ common.init_process_group(device, fake)
 if device.type == "cuda":
     torch.cuda.set_device(device)
 mesh = init_device_mesh(device.type, (dp_size, args.pp), mesh_dim_names=("dp", "pp"))  # rows: pipelines, each in order
-dp_rank, stage_index = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
+dp_rank, stage_index, pp_group = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank(), mesh["pp"].get_group()
 is_first, is_last = stage_index == 0, stage_index == args.pp - 1
 # The tied embedding and head: a copy on each pipeline's first and last stage (new_group: every rank makes every group).
 tie_group = [dist.new_group(sorted({row[0], row[-1]})) for row in mesh.mesh.tolist()][dp_rank]
@@ -160,11 +160,11 @@ def run_pipeline(batches, scale, train):
     the last stage)."""
     bucket_len = batches[0][0].shape[1]
     if bucket_len not in pipeline_schedules:
-        stage = PipelineStage(model, stage_index, args.pp, device, group=mesh["pp"].get_group())
+        stage = PipelineStage(model, stage_index, args.pp, device, group=pp_group)
         schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.pp_schedule]
         # scale_grads=False: the loss is already a sum over the whole step, not to be divided by the micro-batches.
         pipeline_schedules[bucket_len] = schedule(stage, args.grad_accum, loss_fn=model.module.loss, scale_grads=False)
-    input_ids, targets = (torch.cat(tensors).to(device) for tensors in zip(*batches))
+    input_ids, targets = (torch.cat(tensors) for tensors in zip(*batches))
     schedule, losses = pipeline_schedules[bucket_len], []
     (schedule.step if train else schedule.eval)(*([input_ids] if is_first else []), target=targets if is_last else None,
                                                 losses=losses, loss_kwargs={"scale": scale})
@@ -180,12 +180,12 @@ def train_step(batches, target_tokens):
     loss_sum = run_pipeline(batches, dp_size / target_tokens, True) * target_tokens / dp_size
     if is_first or is_last:  # the embedding's copy and the head's are one weight: one gradient, the sum of both
         dist.all_reduce(model.module.model.embed_tokens.weight.grad, group=tie_group)
-    # The norm by hand, then the library clips with it: on CPU, torch's fp32 vector_norm (inside clip_grad_norm_)
-    # drifts by ~1e-4 on large tensors (pytorch#169237), while a sum of squares is exact to ~1e-7.
-    grad_norm = torch.stack([p.grad.square().sum() for name, p in model.module.named_parameters()  # tied: counted once
-                             if is_first or not name.startswith("model.embed_tokens")]).sum()
-    dist.all_reduce(grad_norm, group=mesh["pp"].get_group())  # the stages' squares, summed
-    grad_norm = grad_norm.sqrt()
+    # Every gradient's norm in one foreach kernel, in fp64: on a CPU fp32 drifts ~1e-4 on big tensors (pytorch#169237).
+    norms = torch._foreach_norm([p.grad for name, p in model.module.named_parameters()  # tied: counted once
+                                 if is_first or not name.startswith("model.embed_tokens")], 2, torch.float64)
+    grad_norm = torch.stack(norms).square().sum()
+    dist.all_reduce(grad_norm, group=pp_group)  # the stages' squares, summed
+    grad_norm = grad_norm.sqrt().float()
     torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.grad_clip or float("inf"), grad_norm)
     return loss_sum, grad_norm
 
@@ -249,7 +249,7 @@ def evaluate():
         for bucket_len, samples in schedule:
             batch_size = data.bucket_batch_size(args.tokens_per_batch, bucket_len)
             batches = [data.collate(val[name], samples[micro * dp_size + dp_rank::dp_size * args.grad_accum],
-                                    bucket_len, batch_size) for micro in range(args.grad_accum)]
+                                    bucket_len, batch_size, device) for micro in range(args.grad_accum)]
             loss_sums[i] += run_pipeline(batches, 1.0, train=False)  # summed (last stage)
     dist.all_reduce(loss_sums)
     model.train()
@@ -291,16 +291,16 @@ while step < args.max_steps:
     batch_size = data.bucket_batch_size(args.tokens_per_batch, bucket_len)
     tokens = int(train.lengths[step_samples].sum())
     target_tokens = int(train.target_counts[step_samples].sum())  # positions with a loss, all ranks
-    metrics.reset_peak_memory(device)  # on CUDA each row's peak is its own step's, so per bucket
     step_start = time.perf_counter()
 
-    # Dealt round-robin, so that a bucket's short last step spreads evenly over the ranks.
+    # Dealt round-robin (a bucket's short last step spreads evenly over the ranks); made while the GPU runs the update.
     batches = [data.collate(train, step_samples[micro * dp_size + dp_rank::dp_size * args.grad_accum], bucket_len,
-                            batch_size) for micro in range(args.grad_accum)]
+                            batch_size, device) for micro in range(args.grad_accum)]
     loss_sum, grad_norm = train_step(batches, target_tokens)
     dist.all_reduce(loss_sum)  # for the log and the check: the gradients were already exact
-    loss = loss_sum.item() / target_tokens
-    metrics.stop_if_nonfinite(step + 1, loss, grad_norm.item())  # global values: all ranks stop alike, before updating
+    loss_sum, grad_norm = torch.stack([loss_sum, grad_norm]).tolist()  # the step's one wait for the device
+    loss = loss_sum / target_tokens
+    metrics.stop_if_nonfinite(step + 1, loss, grad_norm)  # global values: all ranks stop alike, before updating
     lr = common.learning_rate(step, args)  # from the step and this run's flags: a resumed run follows a new --lr
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -309,28 +309,28 @@ while step < args.max_steps:
     step += 1
 
     step_time = time.perf_counter() - step_start
-    step_peak_mem_gb = metrics.peak_memory_gb(device)
+    step_peak_mem_gb, step_peak_reserved_gb = metrics.step_peak_memory_gb(device)
     run_peak_mem_gb = max(run_peak_mem_gb, step_peak_mem_gb)
     padded_tokens = dp_size * args.grad_accum * batch_size * bucket_len
     total_tokens, total_padded = total_tokens + tokens, total_padded + padded_tokens
     flops = modeling.flops_per_token(n_params, model_config, bucket_len) * tokens
     mfu = flops / step_time / (peak_flops * world_size) if peak_flops else None  # None where the peak is unknown (CPUs)
     if step % args.log_every == 0 or step == args.max_steps:
-        log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(), "tokens": tokens,
+        log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
              "padded_tokens": padded_tokens, "target_tokens": target_tokens, "bucket_len": bucket_len,
              "batch_size": batch_size, "tokens_per_s": tokens / step_time,
-             "mfu": mfu, "peak_mem_gb": step_peak_mem_gb, "peak_reserved_gb": metrics.peak_reserved_memory_gb(device),
+             "mfu": mfu, "peak_mem_gb": step_peak_mem_gb, "peak_reserved_gb": step_peak_reserved_gb,
              "elapsed_s": time.perf_counter() - start_time})
     if step % args.eval_every == 0 or step == args.max_steps:
         validation = evaluate()
         log({"step": step, **validation})
     if step % args.save_every == 0 or step == args.max_steps:
         save_checkpoint(step, data_position)
-    if rank == 0:
-        progress.update(1)
+    if rank == 0:  # the bar redraws at most every 0.1 s (tqdm's mininterval), not at every step
         progress.set_postfix({"loss": f"{loss:.3f}", "tok/s": f"{tokens / step_time:,.0f}",
                               **({"mfu": f"{mfu:.1%}"} if mfu else {}), "mem": f"{step_peak_mem_gb:.2f}GB",
-                              "bucket": bucket_len})
+                              "bucket": bucket_len}, refresh=False)
+        progress.update(1)
 
 # ---------------------------------------------------------------------------------------------- end
 if rank == 0:

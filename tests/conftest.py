@@ -33,7 +33,8 @@ def temporary_folders(tmp_path_factory):
 
 
 # tests/tp_probe.py records the first layer's shards and collectives; tests/pp_probe.py the tied weight's copies;
-# tests/cp_probe.py tests the CP attention against one process's.
+# tests/cp_probe.py tests the CP attention against one process's. tests/sync_probe.py, before any of them, counts what
+# a training step waits on the device for, in every shared run.
 PROBES = {"fsdp2_tp_pretrain.py": ("tests/tp_probe.py", "TP_PROBE"),
           "pp_pretrain.py": ("tests/pp_probe.py", "PP_PROBE"),
           "fsdp2_cp_pretrain.py": ("tests/cp_probe.py", "CP_PROBE")}
@@ -81,11 +82,11 @@ def tiny_run(tmp_path_factory):
             script_data = {"fsdp2_sft.py": SFT_DATA, "fsdp2_grpo.py": RL_DATA}.get(script, [])
             init = ["--init-from", get(source)[0], "--eval-generate", 8, *script_data] if source else []
             flags = [*TINY_RUN, *EXTRA_FLAGS.get(script, []), *init, "--out-dir", out]
-            if script in PROBES:  # through a probe that records what it sees inside the run, into probe.json
-                probe, variable = PROBES[script]
-                result = run_script(probe, script, *flags, nproc=2, env={variable: str(out.parent / "probe.json")})
-            else:
-                result = run_script(script, *flags, nproc=2)
+            # Through probes that record what they see inside the run, into sync.json (and probe.json).
+            probe, variable = PROBES.get(script, (None, None))
+            env = {"SYNC_PROBE": str(out.parent / "sync.json"), **({variable: str(out.parent / "probe.json")}
+                                                                    if probe else {})}
+            result = run_script("tests/sync_probe.py", *([probe] if probe else []), script, *flags, nproc=2, env=env)
             runs[script] = (out, check(result))
         return runs[script]
 

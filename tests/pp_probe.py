@@ -13,6 +13,7 @@ import runpy
 import sys
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -24,13 +25,14 @@ steps = []
 
 
 def after_step(optimizer, args, kwargs):
-    tied = [p for group in optimizer.param_groups for p in group["params"] if p.shape[0] == common.VOCAB_SIZE]
-    digest = hashlib.sha256(tied[0].detach().cpu().numpy().tobytes()).hexdigest() if tied else None
-    digests = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, digest)  # every rank steps its optimizer every step: a collective is safe here
-    steps.append({rank: d for rank, d in enumerate(digests) if d is not None})
-    if dist.get_rank() == 0:
-        Path(os.environ["PP_PROBE"]).write_text(json.dumps(steps))
+    with torch._C.DisableTorchFunction():  # unseen by tests/sync_probe.py, which counts the script's reads
+        tied = [p for group in optimizer.param_groups for p in group["params"] if p.shape[0] == common.VOCAB_SIZE]
+        digest = hashlib.sha256(tied[0].detach().cpu().numpy().tobytes()).hexdigest() if tied else None
+        digests = [None] * dist.get_world_size()
+        dist.all_gather_object(digests, digest)  # every rank steps its optimizer every step: a collective is safe here
+        steps.append({rank: d for rank, d in enumerate(digests) if d is not None})
+        if dist.get_rank() == 0:
+            Path(os.environ["PP_PROBE"]).write_text(json.dumps(steps))
 
 
 register_optimizer_step_post_hook(after_step)

@@ -38,20 +38,22 @@ RUNS = [pytest.param(name, marks=PIPELINE_MARK) if name == "pp_pretrain" else na
         for name in [*PRETRAINING, "fsdp2_sft", "fsdp2_grpo"]]
 
 
-def start(script, *flags, log):
+def start(script, *flags, log, env=None):
     """One process on GPU 0 under torchrun, its output into LOG."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", script, *flags]
     with open(log, "w") as output:
         return subprocess.Popen([str(part) for part in command], cwd=REPO, stdout=output, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1", "TORCH_LOGS": "recompiles"})
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", "TORCH_LOGS": "recompiles", **(env or {})})
 
 
 @pytest.fixture(scope="module")
 def cuda_runs(tmp_path_factory):
     """{run name: (out_dir, exit status, output)} of every run above."""
     root = tmp_path_factory.mktemp("cuda")
-    processes = {name: start(*script_flags[:1], *TINY_STEPS, *script_flags[1:], "--data", BUILTIN_TEXT,
-                             "--out-dir", root / name, log=root / f"{name}.log")
+    # FSDP2's run through tests/sync_probe.py: what its steps wait on the GPU for (test_host_syncs.py: on a CPU).
+    processes = {name: start(*(["tests/sync_probe.py"] if name == "fsdp2_pretrain" else []), *script_flags[:1],
+                             *TINY_STEPS, *script_flags[1:], "--data", BUILTIN_TEXT, "--out-dir", root / name,
+                             log=root / f"{name}.log", env={"SYNC_PROBE": str(root / "fsdp2_pretrain_sync.json")})
                  for name, script_flags in PRETRAINING.items() if name != "pp_pretrain" or PIPELINE_SCALES_LOSS}
     processes["fsdp2_pretrain"].wait(timeout=300)
     processes["fsdp2_sft"] = start("fsdp2_sft.py", *TINY_STEPS, "--data", BUILTIN_SFT, "--init-from",
@@ -85,3 +87,12 @@ def test_script_trains_in_bf16_on_one_gpu_with_mfu_and_cuda_memory(cuda_runs, na
         compiled, eager = read_metrics(out_dir)[0], read_metrics(out_dir.parent / "fsdp2_pretrain")[0]
         # Step 1: the same weights and batch, so the same loss up to bf16 kernels' rounding.
         assert compiled[1]["loss"] == pytest.approx(eager[1]["loss"], rel=1e-2)
+
+
+def test_a_training_step_waits_for_the_gpu_once_and_once_more_for_the_losss_targets(cuda_runs):
+    """torch.cuda.set_sync_debug_mode's warnings in FSDP2's steps 3 to 5, by where they come from: the loss and the
+    gradient norm read together, and the chunked loss's target positions (one micro-batch a step)."""
+    out_dir, exit_status, output = cuda_runs["fsdp2_pretrain"]
+    assert exit_status == 0, output[-6000:]
+    steps = json.loads((out_dir.parent / "fsdp2_pretrain_sync.json").read_text())
+    assert [sum(step.values()) for step in steps] == [2, 2, 2], steps

@@ -177,7 +177,7 @@ def split_of(samples, mask=None):
 def test_collate_pads_right_and_never_targets_padding():
     split = split_of([np.array([5, 6, 7]), np.array([8, 9])])  # pretraining: every next token is a target
     assert split.target_counts.tolist() == [2, 1]
-    input_ids, targets = data.collate(split, [0, 1], bucket_len=4, batch_size=3)
+    input_ids, targets = data.collate(split, [0, 1], bucket_len=4, batch_size=3, device=torch.device("cpu"))
     assert input_ids.tolist() == [[5, 6, 7, common.EOT_ID], [8, 9, common.EOT_ID, common.EOT_ID], [common.EOT_ID] * 4]
     assert targets.tolist() == [[6, 7, -100, -100], [9, -100, -100, -100], [-100] * 4]
 
@@ -185,7 +185,7 @@ def test_collate_pads_right_and_never_targets_padding():
 def test_collate_targets_only_masked_tokens():
     split = split_of([np.array([1, 2, 3, 4, 5])], mask=np.array([0, 0, 1, 1, 0], dtype=np.uint8))
     assert split.target_counts.tolist() == [2]
-    _, targets = data.collate(split, np.array([0]), bucket_len=6, batch_size=1)
+    _, targets = data.collate(split, np.array([0]), bucket_len=6, batch_size=1, device=torch.device("cpu"))
     assert targets.tolist() == [[-100, 3, 4, -100, -100, -100]]
 
 
@@ -216,7 +216,7 @@ def test_lr_warms_up_linearly_then_decays_by_cosine_to_the_floor():
 def test_collate_copies_rows_out_of_the_memory_map(builtin_splits):
     train, _ = builtin_splits
     assert isinstance(train.tokens[0], np.memmap)  # the corpus is never read into memory as a whole
-    input_ids, _ = data.collate(train, [0], int(train.lengths[0]), 1)
+    input_ids, _ = data.collate(train, [0], int(train.lengths[0]), 1, torch.device("cpu"))
     assert input_ids.dtype == torch.long and input_ids[0].tolist() == data.sample_tokens(train, 0).tolist()
 
 

@@ -12,23 +12,23 @@ from helpers import REPO
 # (before, after): {section: changed lines at most}. A section missing here may not change at all.
 DIFFS = {
     ("ddp_pretrain.py", "fsdp1_pretrain.py"):  # the wrapper, its precision, its checkpoint format, its no_sync and norm
-        {"preamble": 15, "setup": 3, "model": 5, "wrap": 12, "training step": 9, "checkpoint": 36, "evaluation": 3},
+        {"preamble": 15, "setup": 3, "model": 5, "wrap": 12, "training step": 11, "checkpoint": 36, "evaluation": 3},
     ("fsdp1_pretrain.py", "fsdp2_pretrain.py"):  # fully_shard, ZeRO-2, model and optimizer apart, the resuming scripts
-        {"preamble": 17, "setup": 5, "model": 2, "wrap": 12, "training step": 14, "checkpoint": 35},
+        {"preamble": 17, "setup": 5, "model": 2, "wrap": 12, "training step": 16, "checkpoint": 35},
     ("fsdp2_pretrain.py", "fsdp2_tp_pretrain.py"):  # the 2D mesh: the tp plan, dp ranks reading, the norm's two meshes
-        {"preamble": 8, "setup": 13, "data": 2, "distributed": 4, "model": 5, "tensor parallel": 15, "wrap": 6,
+        {"preamble": 8, "setup": 13, "data": 2, "distributed": 4, "model": 5, "tensor parallel": 15, "wrap": 7,
          "training step": 15, "resume": 2, "evaluation": 4, "training loop": 6},
     ("fsdp2_pretrain.py", "fsdp2_cp_pretrain.py"):  # the 2D mesh: the zigzag split, its attention, dp ranks reading
         {"preamble": 8, "setup": 12, "data": 2, "distributed": 4, "model": 5, "context parallel": 47, "wrap": 1,
          "training step": 6, "resume": 2, "evaluation": 7, "training loop": 4},
     ("ddp_pretrain.py", "pp_pretrain.py"):  # the stage module, its schedule per bucket, the tied weight's two copies
         {"preamble": 14, "setup": 17, "data": 2, "distributed": 5, "model": 28, "wrap": 5, "pipeline": 20,
-         "training step": 29, "checkpoint": 28, "resume": 2, "evaluation": 8, "training loop": 4},
+         "training step": 31, "checkpoint": 28, "resume": 2, "evaluation": 8, "training loop": 4},
     ("fsdp2_pretrain.py", "fsdp2_sft.py"):  # chat data, its init read shard by shard, the marker rows, accuracy
         {"preamble": 38, "setup": 14, "data": 13, "model": 2, "init from a checkpoint": 17, "evaluation": 16, "end": 4},
     ("fsdp2_sft.py", "fsdp2_grpo.py"):  # prompts and rewards, rollouts, the advantage and the policy-gradient loss
         {"preamble": 28, "setup": 21, "data": 25, "wrap": 3, "init from a checkpoint": 9, "training step": 18,
-         "resume": 5, "evaluation": 11, "rollouts": 11, "training loop": 69},
+         "resume": 5, "evaluation": 11, "rollouts": 11, "training loop": 71},
 }
 SECTION = re.compile(r"^# -{20,} (.+)$")
 HUNK = re.compile(r"^(\d+)(?:,(\d+))?([acd])(\d+)(?:,(\d+))?$")  # diff's own: 33c36,49, 7a8, 12d11

@@ -46,6 +46,7 @@ def fake_runs(shared_runs):
     """The trends' fake runs, two at a time: {name: categories}."""
     runs = {"fsdp2 world 2": ("fsdp2_pretrain.py", [], 2), "fsdp2 world 4": ("fsdp2_pretrain.py", [], 4),
             "fsdp2 selective": ("fsdp2_pretrain.py", ["--activation-checkpointing", "selective"], 2),
+            "fsdp2 none": ("fsdp2_pretrain.py", ["--activation-checkpointing", "none"], 2),
             "cp 2": ("fsdp2_cp_pretrain.py", ["--cp", 2, *LONG], 4),
             "cp 4": ("fsdp2_cp_pretrain.py", ["--cp", 4, *LONG], 4)}
     with ThreadPoolExecutor(2) as pool:
@@ -84,13 +85,15 @@ def test_the_fake_run_counts_what_a_real_run_holds(script, shared_runs, tmp_path
 
 def test_the_trends_hold(fake_runs):
     """FSDP2's state per rank falls as 1 / world size; CP's activations fall with cp (from cp 2 to 4 by over a third:
-    all but the loss's weight gradient halves); full checkpointing keeps fewer activations than selective."""
+    all but the loss's weight gradient halves); full checkpointing keeps fewer activations than selective, and
+    selective fewer than none."""
     def state(name):
         return total(fake_runs[name], PARAMETERS + OPTIMIZER)
 
     assert state("fsdp2 world 4") == pytest.approx(state("fsdp2 world 2") / 2, rel=0.01)
     assert fake_runs["cp 4"]["Activation"] < 0.65 * fake_runs["cp 2"]["Activation"]
     assert fake_runs["fsdp2 world 2"]["Activation"] < fake_runs["fsdp2 selective"]["Activation"]
+    assert fake_runs["fsdp2 selective"]["Activation"] < fake_runs["fsdp2 none"]["Activation"]
 
 
 def test_the_tool_prints_a_table_per_strategy_and_why_pp_has_none(tmp_path):

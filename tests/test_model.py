@@ -39,6 +39,21 @@ def test_checkpointing_recomputes_in_backward_and_gives_the_same_gradients():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
+def test_without_checkpointing_no_layer_recomputes_and_the_gradients_are_the_same():
+    """--activation-checkpointing none: every layer keeps its activations, and the loss's gradients equal full
+    checkpointing's."""
+    input_ids = torch.randint(0, 50_257, (2, 16), generator=torch.Generator().manual_seed(0))
+    gradients = {}
+    for setting in ("full", "none"):
+        torch.manual_seed(0)
+        model = modeling.build_model("tiny", setting)
+        assert [layer.gradient_checkpointing for layer in model.model.layers] == [setting == "full"] * 2
+        model(input_ids=input_ids, targets=input_ids).backward()
+        gradients[setting] = [p.grad for p in model.parameters()]
+    for a, b in zip(gradients["full"], gradients["none"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
 def test_initial_loss_is_uniform_over_the_vocabulary():
     torch.manual_seed(0)
     model = modeling.build_model("small")

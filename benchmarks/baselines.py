@@ -1,10 +1,14 @@
 """What a user would run instead of our scripts, on the same model, data and machine (launched by bench.py):
 
     torchrun --nproc_per_node=2 benchmarks/baselines.py bare    --model small --steps 40   # our batches, bare loop
+    torchrun --nproc_per_node=1 benchmarks/baselines.py bare --strategy fsdp2 --compile-more loss,embedding,optimizer
     torchrun --nproc_per_node=2 benchmarks/baselines.py trainer --model small --steps 40   # HF Trainer, run_clm style
     torchrun --nproc_per_node=2 benchmarks/baselines.py trl --data data/conversations ... # TRL SFTTrainer
 
-Each prints one line `result {json}` on rank 0: non-padding tokens and seconds over the steps after --skip.
+Each prints one line `result {json}` on rank 0: non-padding tokens and seconds over the steps after --skip. The bare
+loop then trains --tail steps more (untimed: benchmarks/step_profile.py records some), and with --compile-more one
+phase per part named, each compiling that part too, for --phase-steps steps (the last two thirds timed): a line
+`phase {json}` each. They ask what compiling more of the step would gain before a script does it.
 """
 import argparse
 import json
@@ -33,6 +37,15 @@ parser.add_argument("--buckets", default=None)
 parser.add_argument("--tokens-per-batch", type=int, default=None)
 parser.add_argument("--out-dir", default="/tmp/baselines")
 parser.add_argument("--compile", action="store_true", help="bare loop: compile the decoder layers as our scripts do")
+parser.add_argument("--strategy", choices=["ddp", "fsdp2"], default="ddp", help="bare loop: wrapped as ddp_pretrain.py "
+                    "wraps (autocast), or as fsdp2_pretrain.py (fully_shard per layer, bf16 parameters on CUDA)")
+parser.add_argument("--activation-checkpointing", choices=["full", "selective", "none"], default="full")
+parser.add_argument("--tail", type=int, default=0, help="bare loop: untimed steps after the timed ones")
+parser.add_argument("--compile-more", default="", help="bare loop: comma-separated parts (loss, embedding, optimizer), "
+                    "each compiled in a phase of its own after the others, cumulatively")
+parser.add_argument("--phase-steps", type=int, default=15)
+parser.add_argument("--compile-backend", default="inductor", help="--compile-more's torch.compile backend (the GPU "
+                    "check's dry run: eager, which traces without generating code)")
 cli = parser.parse_args()
 rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 presets = loading.script_presets("fsdp2_sft.py" if cli.mode == "trl" else "ddp_pretrain.py")  # their training defaults
@@ -66,7 +79,8 @@ def hf_model():
 
 if cli.mode == "bare":
     # Our DDP batches, and nothing but forward, backward and the optimizer step: the floor our loop is measured
-    # against. The same device, precision and compilation as ddp_pretrain.py.
+    # against. The same device, precision and compilation as ddp_pretrain.py (or fsdp2_pretrain.py).
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
     train, _ = data.load_pretraining_data(argparse.Namespace(**{**vars(args), "data": [args.data]}))
@@ -76,42 +90,82 @@ if cli.mode == "bare":
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.manual_seed(args.seed)
-    model = modeling.build_model(args.model).to(device)
+    model = modeling.build_model(args.model, cli.activation_checkpointing).to(device)
     if cli.compile:  # as the scripts compile: each layer, static shapes, one graph per bucket for training
-        torch._dynamo.config.recompile_limit = 2 * len(args.buckets)
+        torch._dynamo.config.recompile_limit = 2 * len(args.buckets) + 6  # and --compile-more's loss: a few shapes
         for layer in model.model.layers:
             layer.compile(dynamic=False)
-    model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    bf16 = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if cli.strategy == "fsdp2":
+        mixed_precision = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer, mp_policy=mixed_precision)
+        fully_shard(model, mp_policy=mixed_precision)
+    else:
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    autocast = torch.autocast(device.type, dtype=bf16, enabled=cli.strategy == "ddp" and bf16 != torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), fused=True)
+    optimizer_step = optimizer.step
     schedule = data.epoch_schedule(train.lengths, args.buckets, args.tokens_per_batch, world_size, 1, args.seed, 0)
     if len(schedule) < cli.steps:  # ours would go on into epoch 1: the step times would no longer pair up
         sys.exit(f"--steps {cli.steps} is more than the {len(schedule)} steps of one epoch")
-    tokens, padded_tokens, step_ends = 0, 0, []
-    for step in range(1, cli.steps + 1):
-        bucket_len, step_samples = schedule[step - 1]
-        if step == cli.skip + 1:
-            dist.barrier()
-            metrics.reset_peak_memory(device)  # the peak of the measured steps, as the scripts log a step's
-            step_ends.append(time.perf_counter())
-        batch_size = data.bucket_batch_size(args.tokens_per_batch, bucket_len)
-        input_ids, targets = data.collate(train, step_samples[rank::world_size], bucket_len, batch_size)
-        target_tokens = int(train.target_counts[step_samples].sum())
-        with autocast:
-            loss_sum = model(input_ids=input_ids.to(device), targets=targets.to(device))
-        (loss_sum * world_size / target_tokens).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step > cli.skip:
-            tokens, padded_tokens = (tokens + int(train.lengths[step_samples[rank::world_size]].sum()),
-                                     padded_tokens + batch_size * bucket_len)
-            if device.type == "cuda":
-                torch.cuda.synchronize()  # the step's kernels are done (ours waits for the loss every step too)
-            step_ends.append(time.perf_counter())
-    dist.barrier()
+
+    done = [0]  # steps trained so far
+
+    def run_steps(steps, skip):
+        """STEPS steps of the schedule's (on from where the last call left it, round the epoch), the ones after the
+        first SKIP timed: (non-padding tokens, padded tokens, the end of each timed step and of step SKIP)."""
+        tokens, padded_tokens, step_ends = 0, 0, []
+        for step in range(1, steps + 1):
+            bucket_len, step_samples = schedule[done[0] % len(schedule)]
+            done[0] += 1
+            if step == skip + 1:
+                dist.barrier()
+                metrics.step_peak_memory_gb(device)  # a new peak: the measured steps', as the scripts log a step's
+                step_ends.append(time.perf_counter())
+            batch_size = data.bucket_batch_size(args.tokens_per_batch, bucket_len)
+            input_ids, targets = data.collate(train, step_samples[rank::world_size], bucket_len, batch_size, device)
+            target_tokens = int(train.target_counts[step_samples].sum())
+            with autocast:
+                loss_sum = model(input_ids=input_ids, targets=targets)
+            (loss_sum * world_size / target_tokens).backward()
+            optimizer_step()
+            optimizer.zero_grad(set_to_none=True)
+            if step > skip:
+                tokens, padded_tokens = (tokens + int(train.lengths[step_samples[rank::world_size]].sum()),
+                                         padded_tokens + batch_size * bucket_len)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()  # the step's kernels are done (ours waits for the loss every step too)
+                step_ends.append(time.perf_counter())
+        dist.barrier()
+        return tokens, padded_tokens, step_ends
+
+    tokens, padded_tokens, step_ends = run_steps(cli.steps, cli.skip)
+    peak_allocated_gb, peak_reserved_gb = metrics.step_peak_memory_gb(device)
     report(tokens, padded_tokens, step_ends[-1] - step_ends[0],
            step_seconds=[b - a for a, b in zip(step_ends, step_ends[1:])],  # per step, as ours
-           peak_allocated_gb=metrics.peak_memory_gb(device), peak_reserved_gb=metrics.peak_reserved_memory_gb(device))
+           peak_allocated_gb=peak_allocated_gb, peak_reserved_gb=peak_reserved_gb)
+    run_steps(cli.tail, cli.tail)
+    for part in filter(None, cli.compile_more.split(",")):
+        # Each part compiled as a script would compile it: the loss's passes over the vocabulary (the chunk's function,
+        # its row count dynamic), the embedding in place, the optimizer step (foreach AdamW traced, as torch's compiled
+        # optimizer recipe does: the fused kernel is already one).
+        if part == "loss":
+            modeling.logit_losses = torch.compile(modeling.logit_losses, backend=cli.compile_backend)
+        elif part == "embedding":
+            model.model.embed_tokens.compile(backend=cli.compile_backend)
+        elif part == "optimizer":
+            optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), foreach=True)
+            optimizer_step = torch.compile(optimizer.step, backend=cli.compile_backend)
+        else:
+            sys.exit(f"--compile-more: unknown part {part}: loss, embedding or optimizer")
+        tokens, padded_tokens, step_ends = run_steps(cli.phase_steps, cli.phase_steps // 3)  # the rest timed
+        peak_allocated_gb, peak_reserved_gb = metrics.step_peak_memory_gb(device)
+        if rank == 0:
+            print("phase " + json.dumps({"compiled": part, "tokens_per_s": tokens / (step_ends[-1] - step_ends[0]),
+                                         "step_seconds": [b - a for a, b in zip(step_ends, step_ends[1:])],
+                                         "peak_allocated_gb": peak_allocated_gb, "peak_reserved_gb": peak_reserved_gb}),
+                  flush=True)
 
 else:
     import datasets

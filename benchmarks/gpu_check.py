@@ -1,4 +1,4 @@
-r"""The recipe measured on one GPU in one command of under nine minutes: what a session lent a GPU runs first.
+r"""The recipe measured on one GPU in one command of under ten minutes: what a session lent a GPU runs first.
 
 Here, once per session (the GPU machine reaches no package registry; ../shared/gpu/README.md):
 
@@ -13,22 +13,31 @@ On a CPU, the same sequence end to end with the tiny preset, fp32, gloo and a fe
     python benchmarks/gpu_check.py --dry-run --out /tmp/gpu_check
 
 The parts, in order of value, each under a time bound of its own that keeps time for the parts after it, so that a
-slow or failing part loses nothing else; each part's rows are written to --out as soon as it ends:
-  A   fsdp2_pretrain.py --model qwen2-0.5b on 1 GPU, bf16, full activation checkpointing, 16,384 tokens a step, one
-      bucket of 2,048; eager, then --compile. Steady state: steps 11-40.
-  B   the bare loop (benchmarks/baselines.py bare: the same model class, batches, bf16 and checkpointing; no FSDP, no
-      checkpoint, no metrics) at A's faster setting, and A / B: what the script's machinery costs.
-  C   --activation-checkpointing selective at A's faster setting.
-  D   fsdp2_sft.py --model qwen2-0.5b: peak allocated and reserved memory at buckets 4,096 and 8,192.
-  M   estimate_memory.py --check-on-gpu: its estimate for FSDP2 and the SFT at buckets 2,048 and 8,192 beside one real
-      step's peak allocated and reserved memory (ratio: estimate / allocated; goal: within 10%).
-  E   tests/test_cuda.py: every training script's CUDA path (tiny preset, bf16, NCCL; one with --compile).
-  A2  bucket 1,024 at A's faster setting, if time is left.
+slow or failing part loses nothing else; each part's rows are written to --out as soon as it ends. The pretraining
+runs are qwen2-0.5b on 1 GPU, bf16, --compile, 16,384 tokens a step, one bucket of 2,048; steps 11-30 are timed, and
+steps 32-34 of A, A-ddp and B are profiled (benchmarks/step_profile.py), after the timing so it stays out of it.
+  A       fsdp2_pretrain.py, full activation checkpointing.
+  B       the bare loop (benchmarks/baselines.py bare: the same model class, batches, wrapping, bf16 and checkpointing;
+          no metrics, no checkpoint, one wait for the GPU per step) as FSDP2: A / B is what the script's loop costs.
+          Then phases that compile more of the step, cumulatively (the chunked loss's passes over the vocabulary, the
+          embedding, the optimizer step): a row each, its ratio to the phase before.
+  A-ddp   ddp_pretrain.py at A's setting, and B-ddp, the bare loop as DDP: the loop's cost under DDP, and B / B-ddp,
+          what FSDP2's own machinery costs on one rank.
+  N       fsdp2_pretrain.py --activation-checkpointing none: no recompute (the goal row where it fits 24 GB).
+  C       --activation-checkpointing selective.
+  M       estimate_memory.py --check-on-gpu: its estimate for FSDP2 at 2,048 and the SFT at 8,192 beside one real step's
+          peak allocated and reserved memory (ratio: estimate / allocated; goal: within 10%).
+  E       tests/test_cuda.py: every training script's CUDA path (tiny preset, bf16, NCCL; one with --compile; the waits
+          for the GPU per step, counted by torch.cuda.set_sync_debug_mode).
+  B-none  the bare loop without checkpointing, for N / B-none; A-eager and A2 (bucket 1,024), if time is left.
+Goals in the table: MFU at least 40% where the peak reserved memory fits 24 GB; a script within 5% of its bare loop;
+step times within 10% of each other ((slowest - fastest) / median of the timed steps); the estimate within 10%.
 The text fills each bucket: CPython's help topics and docstrings (the built-in corpus), shuffled and joined into
 documents of 30 bucket lengths, so every sample but a few is a whole bucket (the non-padding share is in the table).
 The SFT's conversations are the same text as replies of about 4,000 tokens and of over 8,192 (cut to 8,192).
-MFU = model FLOPs per token x non-padding tokens/s / the GPU's dense bf16 peak (docs/metrics.md).
-Writes results.json, results.md (the table, printed last) and logs.tar.gz into --out (default $OUT).
+MFU = model FLOPs per token x non-padding tokens/s / the GPU's dense bf16 peak (docs/metrics.md). The dry run compiles
+with torch.compile's eager backend only (tests/test_compile.py proves --compile on a CPU) and counts host time.
+Writes results.json, results.md (the tables, printed last) and logs.tar.gz (logs and traces) into --out (default $OUT).
 """
 import argparse
 import datetime
@@ -51,11 +60,13 @@ parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.R
 parser.add_argument("--dry-run", action="store_true", help="CPU: the tiny preset, fp32, gloo, a few steps")
 parser.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu_check", help="results go here")
 parser.add_argument("--budget", type=float, default=None,
-                    help="seconds for the whole check, install included (default: 525; dry run: 900)")
+                    help="seconds for the whole check, install included (default: 550; dry run: 900)")
 cli = parser.parse_args()
 started, clock_start = datetime.datetime.now(), time.monotonic()
-deadline = clock_start + (cli.budget or (900 if cli.dry_run else 525))
-out, work = Path(cli.out), Path(tempfile.mkdtemp(prefix="gpu_check-"))  # work: the runs, their data and logs
+deadline = clock_start + (cli.budget or (900 if cli.dry_run else 550))
+# work: the runs, their data and logs; in memory where it has room: a qwen2-0.5b checkpoint is 4.8 GB written per run
+in_memory = "/dev/shm" if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 40e9 else None
+out, work = Path(cli.out), Path(tempfile.mkdtemp(prefix="gpu_check-", dir=in_memory))
 out.mkdir(parents=True, exist_ok=True)
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
 if cli.dry_run:
@@ -101,14 +112,16 @@ import prepare_data  # noqa: E402
 # ---------------------------------------------------------------------------------------------- the settings
 if cli.dry_run:
     MODEL, BUCKET, SECOND_BUCKET, TOKENS_PER_BATCH, STEPS, SKIP, SFT_BUCKETS = "tiny", 128, 64, 512, 6, 2, (128, 256)
-    MEMORY_BUCKETS = (128,)
+    COMPILE, BACKEND = [], "eager"  # tests/test_compile.py compiles the scripts on a CPU; here, the plumbing only
 else:
-    MODEL, BUCKET, SECOND_BUCKET, TOKENS_PER_BATCH, STEPS, SKIP = "qwen2-0.5b", 2048, 1024, 16384, 40, 10
-    SFT_BUCKETS, MEMORY_BUCKETS = (4096, 8192), (2048, 8192)
-SFT_STEPS = 8
+    MODEL, BUCKET, SECOND_BUCKET, TOKENS_PER_BATCH, STEPS, SKIP = "qwen2-0.5b", 2048, 1024, 16384, 30, 10
+    SFT_BUCKETS, COMPILE, BACKEND = (4096, 8192), ["--compile"], "inductor"
+# After the timed steps: the profiler's warm-up step, the 3 it records, and the run's last (evaluation, checkpoint).
+TAIL, PROFILED = 5, f"{STEPS + 2}-{STEPS + 4}"
+PHASE_STEPS = 6 if cli.dry_run else 15  # a phase of the bare loop: a third to compile and settle, the rest timed
 # Each part's time bound (seconds) and the time kept for it while earlier parts run: what it takes on an H100.
-BOUNDS = {"A": 120, "A compiled": 200, "B": 120, "C": 200, "D": 150, "M": 150, "E": 240}
-KEPT = {"A": 40, "A compiled": 90, "B": 50, "C": 90, "D": 50, "M": 60, "E": 100}
+BOUNDS = {"A": 150, "B": 200, "A-ddp": 120, "B-ddp": 100, "N": 120, "C": 120, "M": 150, "E": 240}
+KEPT = {"A": 50, "B": 90, "A-ddp": 45, "B-ddp": 35, "N": 45, "C": 45, "M": 60, "E": 100, "B-none": 35}
 with torch.device("meta"):  # no memory: only the parameter count and shapes, for the FLOPs per token
     meta_model = modeling.build_model(MODEL)
 N_PARAMS, MODEL_CONFIG = modeling.count_parameters(meta_model), meta_model.config
@@ -144,20 +157,22 @@ long_chats = write_jsonl(work / "long_chats.jsonl", [
                   {"role": "assistant", "content": text(sum(reply_tokens[:i]), n)}]}
     for i, n in enumerate(reply_tokens)])
 data = {}
-for source, folder, kind in ((long_text, work / "text", []), (long_chats, work / "chats", ["--sft"])):
-    run_or_exit([sys.executable, "prepare_data.py", "--data", source, "--out-dir", folder, *kind],
-                f"preparing {source.name}")
-    meta = json.loads((folder / "meta.json").read_text())
+for source, folder, kind in ((long_text, work / "text", "pretrain"), (long_chats, work / "chats", "sft")):
+    # prepare_data.py's own code, in this process (a command's start would cost its imports again)
+    source_args = argparse.Namespace(data=str(source), data_config=None, text_field="text", max_docs=0)
+    meta = prepare_data.prepare(source_args, kind, folder, workers=prepare_data.available_cores(), progress=False)
     data[folder.name] = {"documents": meta["documents"], "tokens": meta["tokens"]}
 
 # ---------------------------------------------------------------------------------------------- running a part
 results = {"date": started.isoformat(timespec="seconds"), "command": " ".join([Path(sys.executable).name, *sys.argv]),
            "dry_run": cli.dry_run, "versions": versions, "model": MODEL, "parameters": N_PARAMS, "data": data,
-           "parts": []}
+           "parts": [], "profiles": {}}
 COLUMNS = [("part", "part"), ("configuration", "configuration"), ("tokens_per_s", "tokens/s"), ("mfu", "MFU"),
-           ("non_padding", "non-padding"), ("peak_allocated_gb", "peak allocated GB"),
+           ("non_padding", "non-padding"), ("spread", "step spread"), ("peak_allocated_gb", "peak allocated GB"),
            ("peak_reserved_gb", "peak reserved GB"), ("ratio", "ratio"), ("goal", "goal"), ("seconds", "s"),
            ("outcome", "outcome")]
+PROFILE_COLUMNS = ["part", "step ms", "GPU busy", "GPU idle ms / step", "longest GPU gap ms", "syncs / step",
+                   "launches / step", "top operators, ms / step"]
 running = None  # the process group of the command in progress
 
 
@@ -170,12 +185,24 @@ def table():
              f"{versions['transformers']}; {results['date']}; `{results['command']}`", "",
              "| " + " | ".join(title for _, title in COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
     for row in results["parts"]:
-        cells = {**row, "tokens_per_s": f"{row['tokens_per_s']:,.0f}" if row.get("tokens_per_s") else None,
-                 "mfu": f"{row['mfu']:.1%}" if row.get("mfu") is not None else None,
-                 "non_padding": f"{row['non_padding']:.1%}" if row.get("non_padding") else None}
+        cells = {**row, "tokens_per_s": f"{row['tokens_per_s']:,.0f}" if row.get("tokens_per_s") else None}
+        for key in ("mfu", "non_padding", "spread"):
+            cells[key] = f"{row[key]:.1%}" if row.get(key) is not None else None
         for key in ("peak_allocated_gb", "peak_reserved_gb"):
             cells[key] = f"{row[key]:.2f}" if row.get(key) is not None else None
         lines.append("| " + " | ".join(str(cells.get(key) or "-") for key, _ in COLUMNS) + " |")
+    if results["profiles"]:
+        lines += ["", f"Profiled steps {PROFILED} (benchmarks/step_profile.py; operators by "
+                      f"{next(iter(results['profiles'].values()))['time_of']} time):", "",
+                  "| " + " | ".join(PROFILE_COLUMNS) + " |", "|" + " --- |" * len(PROFILE_COLUMNS)]
+        for part, found in results["profiles"].items():
+            cells = [part, f"{found['step_ms']:.1f}",
+                     f"{found['gpu_busy']:.1%}" if found["gpu_busy"] is not None else "-",
+                     f"{found['gpu_idle_ms']:.1f}" if found["gpu_idle_ms"] is not None else "-",
+                     f"{found['longest_gpu_gap_ms']:.2f}" if found["longest_gpu_gap_ms"] is not None else "-",
+                     f"{found['syncs']:g}", f"{found['launches']:,.0f}",
+                     "; ".join(f"{op['name']} {op['ms_per_step']:.1f}" for op in found["top_operators"][:5])]
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -183,9 +210,12 @@ def write_results():
     results["elapsed_s"] = round(time.monotonic() - clock_start, 1)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     (out / "results.md").write_text(table())
+    traces = sorted(work.glob("*/profile/*"))
+    if sum(trace.stat().st_size for trace in traces) > 12e6:  # a file the device tool returns is at most 16 MiB
+        traces = [trace for trace in traces if trace.suffix == ".json"]
     with tarfile.open(out / "logs.tar.gz", "w:gz") as logs:
-        for log in sorted(work.glob("*.log")):
-            logs.add(log, arcname=log.name)
+        for log in sorted([*work.glob("*.log"), *traces]):
+            logs.add(log, arcname=str(log.relative_to(work)))
 
 
 def launch(name, command, until):
@@ -242,20 +272,40 @@ def run_part(part, configuration, measure, later=(), goal=None, needs=20):
             row["goal"] = goal(row)
     results["parts"] += rows
     write_results()
-    print("\n".join(table().splitlines()[-len(rows):]), flush=True)
+    print("\n".join(line for line in table().splitlines() if line.startswith(f"| {part} |")), flush=True)
     return rows
 
 
-def torchrun(script, *flags):
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", script, *flags]
+def torchrun(script, *flags, profile=None):
+    """The command that runs SCRIPT on one rank: under torchrun as a user runs it (the dry run: as plain python, a group
+    of one, for its time), through benchmarks/step_profile.py where PROFILE names the part to profile."""
+    if profile:
+        flags = ["--steps", PROFILED, "--out", work / profile / "profile", script, *flags]
+        script = "benchmarks/step_profile.py"
+    launcher = [] if cli.dry_run else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+    return [sys.executable, *launcher, script, *flags]
 
 
 def mfu(tokens_per_s, bucket):
     return modeling.flops_per_token(N_PARAMS, MODEL_CONFIG, bucket) * tokens_per_s / PEAK_FLOPS if PEAK_FLOPS else None
 
 
+def spread(step_seconds):
+    """(slowest - fastest) / median of the timed steps' wall times."""
+    ordered = sorted(step_seconds)
+    return (ordered[-1] - ordered[0]) / ordered[len(ordered) // 2]
+
+
+def read_profile(part):
+    """The part's profile.json, into the results (none: the profiled steps were not reached)."""
+    path = work / part / "profile" / "profile.json"
+    if path.is_file():
+        results["profiles"][part] = json.loads(path.read_text())
+
+
 def steady_state(run_dir, bucket):
-    """Tokens/s over steps SKIP+1 to the last (wall time, the whole loop), MFU, non-padding share, peak memory."""
+    """Tokens/s over steps SKIP+1 to STEPS (wall time, the whole loop), MFU, non-padding share, the spread of the step
+    times, peak memory."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = {row["step"]: row for row in rows if "loss" in row}
     window = [steps[step] for step in range(SKIP + 1, STEPS + 1)]
@@ -263,129 +313,126 @@ def steady_state(run_dir, bucket):
     reserved = [row["peak_reserved_gb"] for row in window if row["peak_reserved_gb"] is not None]
     return {"tokens_per_s": tokens / seconds, "mfu": mfu(tokens / seconds, bucket),
             "non_padding": tokens / sum(row["padded_tokens"] for row in window),
+            "spread": spread([steps[step]["elapsed_s"] - steps[step - 1]["elapsed_s"]
+                              for step in range(SKIP + 1, STEPS + 1)]),
             "peak_allocated_gb": max(row["peak_mem_gb"] for row in window),
             "peak_reserved_gb": max(reserved) if reserved else None}
 
 
 PRETRAIN_FLAGS = ["--model", MODEL, "--data", work / "text", "--tokens-per-batch", TOKENS_PER_BATCH,
-                  "--max-steps", STEPS, "--eval-every", 10**6, "--save-every", 10**6, "--val-fraction", 0.01]
+                  "--max-steps", STEPS + TAIL, "--eval-every", 10**6, "--save-every", 10**6, "--val-fraction", 0.01]
+rows_of = {}  # part -> its first row, for the ratios of the parts after it
 
 
-def pretrain(name, bucket, *flags, keep_checkpoint=False):
+def pretrain(part, script, bucket, *flags, profile=False):
     def measure(until):
-        launch(name, torchrun("fsdp2_pretrain.py", *PRETRAIN_FLAGS, "--buckets", bucket, *flags,
-                              "--out-dir", work / name), until)
-        if not keep_checkpoint:  # 4.8 GB each at qwen2-0.5b: the disk holds a few
-            shutil.rmtree(work / name / "checkpoints", ignore_errors=True)
-        return [steady_state(work / name, bucket)]
+        launch(part, torchrun(script, *PRETRAIN_FLAGS, "--buckets", bucket, *flags, "--out-dir", work / part,
+                              profile=part if profile else None), until)
+        shutil.rmtree(work / part / "checkpoints", ignore_errors=True)  # 4.8 GB each at qwen2-0.5b
+        read_profile(part)
+        return [steady_state(work / part, bucket)]
     return measure
 
 
-def mfu_goal(share):
-    return lambda row: (f"MFU >= {share:.0%}: " + ("no MFU on a CPU" if row["mfu"] is None else
-                                                   "met" if row["mfu"] >= share else "NOT met"))
+def bare_loop(part, strategy, *flags, profile=False):
+    """The bare loop at A's setting: its main row, then a row per phase of --compile-more."""
+    def measure(until):
+        failed = None
+        try:
+            output = launch(part, torchrun("benchmarks/baselines.py", "bare", "--strategy", strategy, "--model", MODEL,
+                                           "--data", work / "text", "--buckets", BUCKET, "--tokens-per-batch",
+                                           TOKENS_PER_BATCH, "--steps", STEPS, "--skip", SKIP, "--tail", TAIL,
+                                           "--phase-steps", PHASE_STEPS, "--compile-backend", BACKEND,
+                                           "--out-dir", work / part, *COMPILE, *flags,
+                                           profile=part if profile else None), until)
+        except PartFailed as failure:  # a compile phase that fails keeps the rows before it
+            output, failed = (work / f"{part}.log").read_text(errors="replace"), failure
+            if "\nresult " not in output:
+                raise
+        read_profile(part)
+        found = json.loads(next(line for line in output.splitlines() if line.startswith("result "))[len("result "):])
+        rows = [{key: found[key] for key in ("tokens_per_s", "non_padding", "peak_allocated_gb", "peak_reserved_gb")}]
+        rows[0].update(mfu=mfu(found["tokens_per_s"], BUCKET), spread=spread(found["step_seconds"]))
+        for line in output.splitlines():
+            if line.startswith("phase "):
+                phase = json.loads(line[len("phase "):])
+                rows.append({"configuration": f"the bare loop above, its {phase['compiled']} compiled too",
+                             "tokens_per_s": phase["tokens_per_s"], "mfu": mfu(phase["tokens_per_s"], BUCKET),
+                             "spread": spread(phase["step_seconds"]), "peak_allocated_gb": phase["peak_allocated_gb"],
+                             "peak_reserved_gb": phase["peak_reserved_gb"],
+                             "ratio": f"/ the row above = {phase['tokens_per_s'] / rows[-1]['tokens_per_s']:.2f}"})
+        if failed:
+            rows.append({"configuration": "the bare loop's next compile phase", "outcome": f"failed: {failed}"})
+        return rows
+    return measure
+
+
+# The ratios of the table: a part's tokens/s over another's, on the first one's row, once both have run.
+RATIOS = [("A", "B"), ("B", "B-ddp"), ("A-ddp", "B-ddp"), ("N", "A"), ("N", "B-none"), ("C", "A"), ("A-eager", "A")]
+BARE_OF = {"A": "B", "A-ddp": "B-ddp", "N": "B-none"}  # a script's part: its bare loop's at the same setting
+
+
+def goals(row):
+    """A speed row's goals: MFU 40% where it fits 24 GB; within 5% of its bare loop; step times within 10%."""
+    found = []
+    if row["part"] in ("A", "N", "C") and row.get("peak_reserved_gb") is not None:
+        found.append(f"MFU >= 40%: {'met' if row['mfu'] >= 0.40 else 'NOT met'}" if row["peak_reserved_gb"] < 24
+                     else "over 24 GB")
+    bare = rows_of.get(BARE_OF.get(row["part"]), {})
+    if bare.get("outcome") == "ok":
+        met = row["tokens_per_s"] / bare["tokens_per_s"] >= 0.95
+        found.append(f"within 5% of {bare['part']}: {'met' if met else 'NOT met'}")
+    found.append(f"spread <= 10%: {'met' if row['spread'] <= 0.10 else 'NOT met'}")
+    return "; ".join(found)
+
+
+def measure_part(name, configuration, measure, **kwargs):
+    """run_part, keeping the time of the parts after NAME in ORDER; then every ratio and goal the new row completes."""
+    later = ORDER[ORDER.index(name) + 1:] if name in ORDER else []
+    rows_of[name] = run_part(name, configuration, measure, later=later, **kwargs)[0]
+    for row in results["parts"]:
+        if row["outcome"] != "ok" or not row.get("tokens_per_s"):
+            continue
+        if row is rows_of.get(row["part"]):  # a part's first row (not a bare loop's phase): its ratios
+            row["ratio"] = "; ".join(f"{first} / {other} = {row['tokens_per_s'] / rows_of[other]['tokens_per_s']:.2f}"
+                                     for first, other in RATIOS if first == row["part"]
+                                     and rows_of.get(other, {}).get("outcome") == "ok") or None
+        row["goal"] = goals(row)
+    write_results()
 
 
 # ---------------------------------------------------------------------------------------------- the parts
-ALL_PARTS = ["A", "A compiled", "B", "C", "D", "M", "E"]
-a_eager = run_part("A", f"fsdp2_pretrain.py, bucket {BUCKET}, full checkpointing, eager",
-                   pretrain("A_eager", BUCKET, keep_checkpoint=True), later=ALL_PARTS[1:])
-
-
-def compiled(until):
-    row = pretrain("A_compiled", BUCKET, "--compile")(until)[0]
-    if a_eager[0]["outcome"] == "ok":
-        row["ratio"] = f"compiled / eager = {row['tokens_per_s'] / a_eager[0]['tokens_per_s']:.2f}"
-    return [row]
-
-
-a_compiled = run_part("A compiled", f"fsdp2_pretrain.py, bucket {BUCKET}, full checkpointing, --compile", compiled,
-                      later=ALL_PARTS[2:], goal=mfu_goal(0.40))
-a_rows = [row for row in a_eager + a_compiled if row["outcome"] == "ok"]
-best = max(a_rows, key=lambda row: row["tokens_per_s"]) if a_rows else None
-if cli.dry_run and a_compiled[0]["outcome"] == "ok":  # the dry run proves the sequence: every compiled path runs
-    best = a_compiled[0]
-best_flags = ["--compile"] if best is a_compiled[0] else []
-best_name = "--compile" if best_flags else "eager"
-
-
-def bare_loop(until):
-    output = launch("B_bare", torchrun("benchmarks/baselines.py", "bare", "--model", MODEL, "--data", work / "text",
-                                       "--buckets", BUCKET, "--tokens-per-batch", TOKENS_PER_BATCH, "--steps", STEPS,
-                                       "--skip", SKIP, "--out-dir", work / "B_bare", *best_flags), until)
-    found = json.loads(next(line for line in output.splitlines() if line.startswith("result "))[len("result "):])
-    row = {key: found[key] for key in ("tokens_per_s", "non_padding", "peak_allocated_gb", "peak_reserved_gb")}
-    row["mfu"] = mfu(found["tokens_per_s"], BUCKET)
-    if best:
-        row["ratio"] = f"A / B = {best['tokens_per_s'] / found['tokens_per_s']:.2f}"
-    return [row]
-
-
-run_part("B", f"bare loop, bucket {BUCKET}, full checkpointing, {best_name}", bare_loop, later=ALL_PARTS[3:])
-
-
-def selective(until):
-    row = pretrain("C_selective", BUCKET, "--activation-checkpointing", "selective", *best_flags)(until)[0]
-    if best:
-        row["ratio"] = f"C / A = {row['tokens_per_s'] / best['tokens_per_s']:.2f}"
-    return [row]
-
-
-run_part("C", f"fsdp2_pretrain.py, bucket {BUCKET}, selective checkpointing, {best_name}", selective,
-         later=ALL_PARTS[4:], goal=mfu_goal(0.45))
-
-
-def sft_memory(until):
-    init = work / "A_eager"
-    if not any((init / "checkpoints").glob("step_*")):  # part A failed: any checkpoint of the model will do
-        init = work / "D_init"
-        launch("D_init", torchrun("fsdp2_pretrain.py", *PRETRAIN_FLAGS, "--buckets", BUCKET, "--max-steps", 1,
-                                  "--out-dir", init), until)
-    launch("D_sft", torchrun("fsdp2_sft.py", "--model", MODEL, "--data", work / "chats", "--init-from", init,
-                             "--buckets", ",".join(map(str, SFT_BUCKETS)), "--tokens-per-batch", TOKENS_PER_BATCH,
-                             "--max-steps", SFT_STEPS, "--eval-every", 10**6, "--save-every", 10**6,
-                             "--eval-generate", 0, "--val-fraction", 0.01, "--out-dir", work / "D_sft"), until)
-    rows = [json.loads(line) for line in (work / "D_sft" / "metrics.jsonl").read_text().splitlines()]
-    for run in (init, work / "D_sft"):
-        shutil.rmtree(run / "checkpoints", ignore_errors=True)
-    found = []
-    for bucket in SFT_BUCKETS:
-        steps = [row for row in rows if row.get("bucket_len") == bucket]
-        reserved = [row["peak_reserved_gb"] for row in steps if row["peak_reserved_gb"] is not None]
-        found.append({"configuration": f"fsdp2_sft.py, bucket {bucket} ({len(steps)} steps), full checkpointing, "
-                                       f"eager", "peak_allocated_gb": max(row["peak_mem_gb"] for row in steps),
-                      "peak_reserved_gb": max(reserved) if reserved else None,
-                      "non_padding": sum(row["tokens"] for row in steps) / sum(row["padded_tokens"] for row in steps)})
-    return found
-
-
-def sft_goal(row):
-    if not row["configuration"].startswith(f"fsdp2_sft.py, bucket {SFT_BUCKETS[1]}"):
-        return None
-    if row["peak_reserved_gb"] is None:
-        return "reserved < 22 GB: no CUDA allocator on a CPU"
-    return f"reserved < 22 GB: {'met' if row['peak_reserved_gb'] < 22 else 'NOT met'}"
-
-
-run_part("D", "fsdp2_sft.py memory", sft_memory, later=ALL_PARTS[5:], goal=sft_goal)
+ORDER = ["A", "B", "A-ddp", "B-ddp", "N", "C", "M", "E"]  # the parts after each keep their time (KEPT)
+compiled = "--compile" if COMPILE else "eager"
+measure_part("A", f"fsdp2_pretrain.py, bucket {BUCKET}, full checkpointing, {compiled}",
+             pretrain("A", "fsdp2_pretrain.py", BUCKET, *COMPILE, profile=True))
+measure_part("B", f"bare loop as FSDP2, bucket {BUCKET}, full checkpointing, {compiled}",
+             bare_loop("B", "fsdp2", "--compile-more", "loss,embedding,optimizer", profile=True))
+measure_part("A-ddp", f"ddp_pretrain.py, bucket {BUCKET}, full checkpointing, {compiled}",
+             pretrain("A-ddp", "ddp_pretrain.py", BUCKET, *COMPILE, profile=True))
+measure_part("B-ddp", f"bare loop as DDP, bucket {BUCKET}, full checkpointing, {compiled}", bare_loop("B-ddp", "ddp"))
+measure_part("N", f"fsdp2_pretrain.py, bucket {BUCKET}, no checkpointing, {compiled}",
+             pretrain("N", "fsdp2_pretrain.py", BUCKET, "--activation-checkpointing", "none", *COMPILE))
+if not cli.dry_run:  # a pretraining part as N is, with another flag: N proves its plumbing on a CPU
+    measure_part("C", f"fsdp2_pretrain.py, bucket {BUCKET}, selective checkpointing, {compiled}",
+                 pretrain("C", "fsdp2_pretrain.py", BUCKET, "--activation-checkpointing", "selective", *COMPILE))
 
 
 def memory_estimates(until):
     """estimate_memory.py's estimate beside one real step on this GPU (--check-on-gpu), per strategy and bucket."""
     found = []
-    for strategy, folder in (("fsdp2", "text"), ("sft", "chats")):
+    for strategy, folder, bucket in (("fsdp2", "text", BUCKET), ("sft", "chats", SFT_BUCKETS[1])):
         out = work / f"M_{strategy}"
         launch(f"M_{strategy}", [sys.executable, "estimate_memory.py", "--model", MODEL, "--gpus", 1, "--strategies",
-                                 strategy, "--buckets", ",".join(map(str, MEMORY_BUCKETS)), "--data", work / folder,
-                                 "--out", out, *([] if cli.dry_run else ["--check-on-gpu"])], until)
+                                 strategy, "--buckets", bucket, "--data", work / folder, "--out", out,
+                                 *([] if cli.dry_run else ["--check-on-gpu"])], until)
         report = json.loads((out / "memory.json").read_text())
-        real = report["on_gpu"].get(strategy, {}).get("buckets", [{}] * len(MEMORY_BUCKETS))
-        for estimate, measured in zip(report["estimates"][strategy]["buckets"], real):
-            predicted, allocated = estimate["categories"]["Total"] / 1e9, measured.get("peak_mem_gb")
-            found.append({"configuration": f"estimate_memory.py {strategy}, bucket {estimate['bucket_len']}: "
-                                           f"estimate {predicted:.2f} GB", "peak_allocated_gb": allocated,
-                          "peak_reserved_gb": measured.get("peak_reserved_gb"),
-                          "ratio": allocated and round(predicted / allocated, 3)})
+        estimate = report["estimates"][strategy]["buckets"][0]
+        measured = report["on_gpu"].get(strategy, {}).get("buckets", [{}])[0]
+        predicted, allocated = estimate["categories"]["Total"] / 1e9, measured.get("peak_mem_gb")
+        found.append({"configuration": f"estimate_memory.py {strategy}, bucket {bucket}: estimate {predicted:.2f} GB",
+                      "peak_allocated_gb": allocated, "peak_reserved_gb": measured.get("peak_reserved_gb"),
+                      "ratio": allocated and round(predicted / allocated, 3)})
     return found
 
 
@@ -395,7 +442,7 @@ def memory_goal(row):
     return f"estimate within 10%: {'met' if abs(row['ratio'] - 1) <= 0.1 else 'NOT met'}"
 
 
-run_part("M", "estimate_memory.py --check-on-gpu: FSDP2 and the SFT", memory_estimates, later=ALL_PARTS[6:],
+run_part("M", "estimate_memory.py --check-on-gpu: FSDP2 and the SFT", memory_estimates, later=["E"],
          goal=memory_goal)
 
 
@@ -422,6 +469,12 @@ def cuda_tests(until):
 
 
 run_part("E", "tests/test_cuda.py: every training script, tiny, bf16, 1 GPU, one with --compile", cuda_tests)
-run_part("A2", f"fsdp2_pretrain.py, bucket {SECOND_BUCKET}, full checkpointing, {best_name}",
-         pretrain("A2", SECOND_BUCKET, *best_flags), needs=KEPT["A compiled" if best_flags else "A"])
+if not cli.dry_run:  # the bare loop without checkpointing, compiled against eager and the next bucket down: parts
+    # whose plumbing the dry run's B and N prove
+    measure_part("B-none", f"bare loop as FSDP2, bucket {BUCKET}, no checkpointing, {compiled}",
+                 bare_loop("B-none", "fsdp2", "--activation-checkpointing", "none"), needs=KEPT["B-none"])
+    measure_part("A-eager", f"fsdp2_pretrain.py, bucket {BUCKET}, full checkpointing, eager",
+                 pretrain("A-eager", "fsdp2_pretrain.py", BUCKET), needs=KEPT["A"])
+    measure_part("A2", f"fsdp2_pretrain.py, bucket {SECOND_BUCKET}, full checkpointing, {compiled}",
+                 pretrain("A2", "fsdp2_pretrain.py", SECOND_BUCKET, *COMPILE), needs=KEPT["A"])
 print("\n" + table(), flush=True)

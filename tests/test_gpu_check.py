@@ -1,7 +1,8 @@
 """benchmarks/gpu_check.py --dry-run: the prepared GPU check's whole sequence on the CPU (tiny preset, fp32, gloo, a few
-steps), so that the command a lent GPU runs first cannot rot between draws. Every part runs and writes its figures:
-the pretraining parts on data that fills the bucket, the bare loop and the ratios, the SFT's memory per bucket, and
-tests/test_cuda.py collected (and skipped: no CUDA here)."""
+steps, nothing compiled but with torch.compile's eager backend), so that the command a lent GPU runs first cannot rot
+between draws. Every part runs and writes its figures: the pretraining parts on data that fills the bucket, the bare
+loops (FSDP2 and DDP) and their compile phases, the ratios and goals, the profiles of three parts, the memory estimate,
+and tests/test_cuda.py collected (and skipped: no CUDA here)."""
 import getpass
 import json
 import os
@@ -38,26 +39,41 @@ def test_dry_run_measures_every_part_and_writes_its_table():
                                                (folder / "stderr").read_text()))
     results = json.loads((out / "results.json").read_text())
     rows = results["parts"]
-    assert [row["part"] for row in rows] == ["A", "A compiled", "B", "C", "D", "D", "M", "M", "E", "A2"]
+    assert [row["part"] for row in rows] == ["A", "B", "B", "B", "B", "A-ddp", "B-ddp", "N", "M", "M", "E"]
     assert all(row["outcome"].startswith("ok") for row in rows), rows
-    speed = [row for row in rows if row["part"] in ("A", "A compiled", "B", "C", "A2")]
+    speed = [row for row in rows if row.get("tokens_per_s")]
+    assert len(speed) == 8
     for row in speed:
-        assert row["tokens_per_s"] > 0 and row["peak_allocated_gb"] > 0
+        assert row["tokens_per_s"] > 0 and row["peak_allocated_gb"] > 0 and row["spread"] >= 0
         assert row["mfu"] is None and row["peak_reserved_gb"] is None  # a CPU: no peak FLOP/s, no CUDA allocator
-        assert row["non_padding"] > 0.9  # the documents fill the bucket (A2's half-length bucket too)
-    assert rows[1]["ratio"].startswith("compiled / eager = ")
-    assert rows[2]["ratio"].startswith("A / B = ") and rows[3]["ratio"].startswith("C / A = ")
-    assert ["bucket 128" in rows[4]["configuration"], "bucket 256" in rows[5]["configuration"]] == [True, True]
-    assert rows[4]["peak_allocated_gb"] > 0 and rows[5]["peak_allocated_gb"] > 0
+        assert "spread <= 10%" in row["goal"]
+    assert all(row["non_padding"] > 0.9 for row in speed if "compiled too" not in row["configuration"])  # buckets full
+    by_part = {row["part"]: row for row in reversed(rows)}  # each part's first row
+    assert by_part["A"]["ratio"] == f"A / B = {by_part['A']['tokens_per_s'] / by_part['B']['tokens_per_s']:.2f}"
+    assert by_part["A"]["goal"].startswith("within 5% of B: ")
+    assert by_part["A-ddp"]["ratio"].startswith("A-ddp / B-ddp = ") and by_part["B"]["ratio"].startswith("B / B-ddp")
+    assert by_part["N"]["ratio"] == f"N / A = {by_part['N']['tokens_per_s'] / by_part['A']['tokens_per_s']:.2f}"
+    # The bare loop's phases: the chunked loss, the embedding and the optimizer compiled in turn (the eager backend).
+    assert [row["configuration"] for row in rows[2:5]] == [f"the bare loop above, its {part} compiled too"
+                                                           for part in ("loss", "embedding", "optimizer")]
+    assert all(row["ratio"].startswith("/ the row above = ") for row in rows[2:5])
     # The memory estimate's plumbing: FSDP2's and the SFT's estimate on the CPU (no GPU: nothing to hold it against).
-    assert [row["configuration"].split(":")[0] for row in rows[6:8]] == [
-        "estimate_memory.py fsdp2, bucket 128", "estimate_memory.py sft, bucket 128"]
-    assert all(row["ratio"] is None and " GB" in row["configuration"] for row in rows[6:8])
-    assert rows[8]["outcome"] == "ok: 0 passed, 0 failed, 9 skipped of 9"  # every script's CUDA test, collected
+    assert [row["configuration"].split(":")[0] for row in rows[8:10]] == [
+        "estimate_memory.py fsdp2, bucket 128", "estimate_memory.py sft, bucket 256"]
+    assert all(row["ratio"] is None and " GB" in row["configuration"] for row in rows[8:10])
+    assert rows[10]["outcome"] == "ok: 0 passed, 0 failed, 10 skipped of 10"  # every script's CUDA test, collected
+    # The profiles of A, B and A-ddp: three steps after the timed ones, each step's host time (no GPU to be busy).
+    assert sorted(results["profiles"]) == ["A", "A-ddp", "B"]
+    for profile in results["profiles"].values():
+        assert profile["steps"] == [8, 10] and len(profile["step_ms_each"]) == 3 and profile["step_ms"] > 0
+        assert profile["gpu_busy"] is None and profile["syncs"] == 0 and profile["time_of"] == "host"
+        assert "aten::mm" in [op["name"] for op in profile["top_operators"]]  # the matmuls: most of a CPU's time
     table = (out / "results.md").read_text()
-    assert len([line for line in table.splitlines() if line.startswith("|")]) == 2 + len(rows)  # header, a row each
-    assert result.stdout.rstrip().endswith(table.rstrip().splitlines()[-1])  # the table is printed last
+    assert len([line for line in table.splitlines() if line.startswith("|")]) == 2 + len(rows) + 2 + 3
+    assert result.stdout.rstrip().endswith(table.rstrip().splitlines()[-1])  # the tables are printed last
     with tarfile.open(out / "logs.tar.gz") as logs:
-        assert {"A_eager.log", "A_compiled.log", "B_bare.log", "C_selective.log", "D_sft.log", "M_fsdp2.log",
-                "E_tests.log", "A2.log"} <= set(logs.getnames())
+        names = set(logs.getnames())
+    assert {"A.log", "B.log", "A-ddp.log", "B-ddp.log", "N.log", "M_fsdp2.log", "M_sft.log", "E_tests.log"} <= names
+    assert {f"{part}/profile/{name}" for part in ("A", "B", "A-ddp") for name in ("trace.json.gz", "profile.json")} \
+        <= names
     shutil.rmtree(folder)  # kept where the test fails, to be read

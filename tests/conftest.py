@@ -47,7 +47,7 @@ def pytest_collection_modifyitems(items):
 
 
 def pytest_runtest_setup(item):
-    """The GPU check's dry run (about 100 s of mostly one process) starts beside the first test from test_export_hf.py
+    """The GPU check's dry run (about 140 s of one process) starts beside the first test from test_export_hf.py
     on: from there a core is idle about a quarter of the time (exports, evaluations and the pipeline's stages run one
     process each), where the 2-rank runs before keep both busy."""
     dry_run_test = next((test for test in item.session.items if test.path.name == "test_gpu_check.py"), None)

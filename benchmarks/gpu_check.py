@@ -119,7 +119,8 @@ else:
 # After the timed steps: the profiler's warm-up step, the 3 it records, and the run's last (evaluation, checkpoint).
 TAIL, PROFILED = 5, f"{STEPS + 2}-{STEPS + 4}"
 PHASE_STEPS = 6 if cli.dry_run else 15  # a phase of the bare loop: a third to compile and settle, the rest timed
-# Each part's time bound (seconds) and the time kept for it while earlier parts run: what it takes on an H100.
+# Each part's time bound (seconds) and the time kept for it while earlier parts run: guessed for an H100 from the
+# last run's parts (376 s in all), a part at a time; a part beyond its bound stops, the next ones still run.
 BOUNDS = {"A": 150, "B": 200, "A-ddp": 120, "B-ddp": 100, "N": 120, "C": 120, "M": 150, "E": 240}
 KEPT = {"A": 50, "B": 90, "A-ddp": 45, "B-ddp": 35, "N": 45, "C": 45, "M": 60, "E": 100, "B-none": 35}
 with torch.device("meta"):  # no memory: only the parameter count and shapes, for the FLOPs per token

@@ -32,6 +32,7 @@ STRATEGIES = {
     "fsdp2-zero2": ["fsdp2_pretrain.py", "--reshard-after-forward", "false"],
     "fsdp2-tp": ["fsdp2_tp_pretrain.py"],  # --tp
     "fsdp2-cp": ["fsdp2_cp_pretrain.py"],  # --cp
+    "fsdp2-3d": ["fsdp2_3d_pretrain.py"],  # --dp-replicate, --cp, --tp
     "pp": ["pp_pretrain.py"],
     "sft": ["fsdp2_sft.py", "--data", "data/builtin-sft"],
     "grpo": ["fsdp2_grpo.py", "--data", "data/builtin-rl"],  # its training step on replies of the bucket's length
@@ -61,8 +62,9 @@ def parse_args():
                         "per micro-batch, each bucket in a process of its own)")
     parser.add_argument("--strategies", nargs="+", choices=list(STRATEGIES), default=list(STRATEGIES),
                         help="the rows' strategies")
-    parser.add_argument("--tp", type=common.COUNT, default=2, help="fsdp2-tp's tensor-parallel degree")
-    parser.add_argument("--cp", type=common.COUNT, default=2, help="fsdp2-cp's context-parallel degree")
+    parser.add_argument("--tp", type=common.COUNT, default=2, help="fsdp2-tp's and fsdp2-3d's tensor-parallel degree")
+    parser.add_argument("--cp", type=common.COUNT, default=2, help="fsdp2-cp's and fsdp2-3d's context-parallel degree")
+    parser.add_argument("--dp-replicate", type=common.COUNT, default=1, help="fsdp2-3d's replicas (HSDP)")
     parser.add_argument("--check-on-gpu", action="store_true", help="also one real step on this GPU (--gpus 1)")
     parser.add_argument("--out", default="runs/estimate_memory", help="memory.json and memory.png go here")
     args, passed_on = parser.parse_known_args()
@@ -86,7 +88,9 @@ def takes(script, flag):
 def command(args, strategy, passed_on, mode, buckets, tokens_per_batch, out_dir):
     """The script's command line: the row's flags, this tool's, then each passed-on flag the script takes."""
     script, *flags = STRATEGIES[strategy]
-    degree = {"fsdp2-tp": ["--tp", str(args.tp)], "fsdp2-cp": ["--cp", str(args.cp)]}.get(strategy, [])
+    degree = {"fsdp2-tp": ["--tp", str(args.tp)], "fsdp2-cp": ["--cp", str(args.cp)],
+              "fsdp2-3d": ["--dp-replicate", str(args.dp_replicate), "--cp", str(args.cp), "--tp", str(args.tp)]}
+    degree = degree.get(strategy, [])
     groups, taken = [], []  # the passed-on flags, each with its values
     for item in passed_on:
         groups.append([item]) if item.startswith("--") or not groups else groups[-1].append(item)

@@ -15,8 +15,8 @@ import loading
 from helpers import REPO, check, run_script
 
 STAGES = {"ddp_pretrain.py": "train", "fsdp1_pretrain.py": "train", "fsdp2_pretrain.py": "train",
-          "fsdp2_tp_pretrain.py": "train", "fsdp2_cp_pretrain.py": "train", "pp_pretrain.py": "train",
-          "fsdp2_sft.py": "sft", "fsdp2_grpo.py": "grpo"}
+          "fsdp2_tp_pretrain.py": "train", "fsdp2_cp_pretrain.py": "train", "fsdp2_3d_pretrain.py": "train",
+          "pp_pretrain.py": "train", "fsdp2_sft.py": "sft", "fsdp2_grpo.py": "grpo"}
 PRESETS = {STAGES[script]: loading.script_presets(script) for script in STAGES}  # each kind of script's
 
 
@@ -82,6 +82,8 @@ def test_help_shows_every_flags_default_and_keeps_the_commands_lines(script, hel
         assert "(default: 2)" in blocks["--tp"]
     if script == "fsdp2_cp_pretrain.py":
         assert "(default: 2)" in blocks["--cp"]
+    if script == "fsdp2_3d_pretrain.py":  # every degree 1: FSDP2 on any world size
+        assert all("(default: 1)" in blocks[flag] for flag in ("--dp-replicate", "--cp", "--tp"))
     if script == "pp_pretrain.py":  # a pipeline wants micro-batches: the script's own default
         assert "(default: the world size)" in blocks["--pp"] and "(default: 4)" in blocks["--grad-accum"]
         assert "(default: 1f1b)" in blocks["--pp-schedule"]

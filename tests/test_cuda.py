@@ -30,6 +30,7 @@ PRETRAINING = {  # run name: the script and its flags beyond TINY_STEPS and --da
     "fsdp2_pretrain_compiled": ["fsdp2_pretrain.py", "--compile"],
     "fsdp2_tp_pretrain": ["fsdp2_tp_pretrain.py", "--tp", 1],
     "fsdp2_cp_pretrain": ["fsdp2_cp_pretrain.py", "--cp", 1],
+    "fsdp2_3d_pretrain": ["fsdp2_3d_pretrain.py"],  # every degree 1 on one GPU
     "pp_pretrain": ["pp_pretrain.py", "--pp", 1],
 }
 PIPELINE_MARK = pytest.mark.skipif(not PIPELINE_SCALES_LOSS,

@@ -21,6 +21,9 @@ DIFFS = {
     ("fsdp2_pretrain.py", "fsdp2_cp_pretrain.py"):  # the 2D mesh: the zigzag split, its attention, dp ranks reading
         {"preamble": 8, "setup": 12, "data": 2, "distributed": 4, "model": 5, "context parallel": 47, "wrap": 1,
          "training step": 6, "resume": 2, "evaluation": 7, "training loop": 4},
+    ("fsdp2_cp_pretrain.py", "fsdp2_3d_pretrain.py"):  # one mesh: HSDP's replicas, the tp plan, the loss's group
+        {"preamble": 9, "setup": 26, "distributed": 12, "model": 4, "context parallel": 4, "tensor parallel": 9,
+         "wrap": 11, "training step": 15, "evaluation": 2, "training loop": 2},
     ("ddp_pretrain.py", "pp_pretrain.py"):  # the stage module, its schedule per bucket, the tied weight's two copies
         {"preamble": 14, "setup": 17, "data": 2, "distributed": 5, "model": 28, "wrap": 5, "pipeline": 20,
          "training step": 31, "checkpoint": 28, "resume": 2, "evaluation": 8, "training loop": 4},

@@ -48,7 +48,8 @@ def fake_runs(shared_runs):
             "fsdp2 selective": ("fsdp2_pretrain.py", ["--activation-checkpointing", "selective"], 2),
             "fsdp2 none": ("fsdp2_pretrain.py", ["--activation-checkpointing", "none"], 2),
             "cp 2": ("fsdp2_cp_pretrain.py", ["--cp", 2, *LONG], 4),
-            "cp 4": ("fsdp2_cp_pretrain.py", ["--cp", 4, *LONG], 4)}
+            "cp 4": ("fsdp2_cp_pretrain.py", ["--cp", 4, *LONG], 4),
+            "replicate 2 x cp 2": ("fsdp2_3d_pretrain.py", ["--dp-replicate", 2, "--cp", 2, *LONG], 4)}
     with ThreadPoolExecutor(2) as pool:
         futures = {name: pool.submit(estimate, shared_runs / name.replace(" ", "-"), script, *flags,
                                      world_size=world_size) for name, (script, flags, world_size) in runs.items()}
@@ -86,7 +87,8 @@ def test_the_fake_run_counts_what_a_real_run_holds(script, shared_runs, tmp_path
 def test_the_trends_hold(fake_runs):
     """FSDP2's state per rank falls as 1 / world size; CP's activations fall with cp (from cp 2 to 4 by over a third:
     all but the loss's weight gradient halves); full checkpointing keeps fewer activations than selective, and
-    selective fewer than none."""
+    selective fewer than none. The 3D script at replicate 2 x cp 2 on 4 ranks holds FSDP2's state of 2 ranks (shards
+    over the cp pair, a copy in the other replica) and CP's activations at cp 2."""
     def state(name):
         return total(fake_runs[name], PARAMETERS + OPTIMIZER)
 
@@ -94,17 +96,24 @@ def test_the_trends_hold(fake_runs):
     assert fake_runs["cp 4"]["Activation"] < 0.65 * fake_runs["cp 2"]["Activation"]
     assert fake_runs["fsdp2 world 2"]["Activation"] < fake_runs["fsdp2 selective"]["Activation"]
     assert fake_runs["fsdp2 selective"]["Activation"] < fake_runs["fsdp2 none"]["Activation"]
+    assert state("replicate 2 x cp 2") == state("fsdp2 world 2")
+    assert fake_runs["replicate 2 x cp 2"]["Activation"] == fake_runs["cp 2"]["Activation"]
 
 
 def test_the_tool_prints_a_table_per_strategy_and_why_pp_has_none(tmp_path):
+    """Its own flags reach the rows: fsdp2-3d at --dp-replicate 2 on 2 GPUs holds the whole model, FSDP2 half."""
     import subprocess
 
     out = tmp_path / "out"
     done = check(subprocess.run([PYTHON, REPO / "estimate_memory.py", "--model", "tiny", "--gpus", "2", "--buckets",
-                                 "64", "--strategies", "fsdp2", "pp", "--gpu-memory", "1", "--out", out,
-                                 "--activation-checkpointing", "selective", "--data", TINY_DATA], cwd=REPO,
-                                capture_output=True, text=True, timeout=300))
+                                 "64", "--strategies", "fsdp2", "fsdp2-3d", "pp", "--dp-replicate", "2", "--cp", "1",
+                                 "--tp", "1", "--gpu-memory", "1", "--out", out, "--activation-checkpointing",
+                                 "selective", "--data", TINY_DATA], cwd=REPO, capture_output=True, text=True,
+                                timeout=300))
     report = json.loads((out / "memory.json").read_text())
+    held = {strategy: total(report["estimates"][strategy]["buckets"][0]["categories"], PARAMETERS)
+            for strategy in ("fsdp2", "fsdp2-3d")}
+    assert held["fsdp2-3d"] == 2 * held["fsdp2"]
     assert (out / "memory.png").stat().st_size > 0
     assert [bucket["bucket_len"] for bucket in report["estimates"]["fsdp2"]["buckets"]] == [64]
     assert report["passed_on"][:2] == ["--activation-checkpointing", "selective"]

@@ -1,6 +1,7 @@
 """fsdp2_cp_pretrain.py on CPU with gloo: context parallelism x FSDP2 trains as DDP does, its attention over a
 sequence split in zigzag pieces equals one process's in output and gradients, bad --cp and --buckets are one line, and
-its checkpoints continue in fsdp2_pretrain.py and back at other world sizes."""
+its checkpoints continue in fsdp2_pretrain.py and back at another world size. Its lines with more than one replica
+(dp 2 x cp 2, and x tp 2) run in fsdp2_3d_pretrain.py's 8-process test."""
 import json
 import os
 
@@ -18,14 +19,6 @@ from helpers import (
 )
 
 
-@pytest.fixture(scope="module")
-def two_by_two(tmp_path_factory):
-    """The tiny run on a 2D mesh: 4 processes, dp 2 x cp 2 (the file's only 4-process run). out_dir"""
-    out = tmp_path_factory.mktemp("cp4") / "run"
-    check(run_script("fsdp2_cp_pretrain.py", *TINY_RUN, "--cp", 2, "--out-dir", out, nproc=4))
-    return out
-
-
 def test_cp_2_on_2_ranks_trains_as_ddp_on_1_rank(tiny_run, ddp_one_process):
     """dp 1 x cp 2: both ranks read every sample, each computes half of every sequence (both runs: --grad-accum 2)."""
     out = tiny_run("fsdp2_cp_pretrain.py")[0]
@@ -34,11 +27,6 @@ def test_cp_2_on_2_ranks_trains_as_ddp_on_1_rank(tiny_run, ddp_one_process):
     assert any(ddp[step]["grad_norm"] > 1.0 for step in range(1, 21))  # clipping was active, and agreed too
     cp_val, ddp_val = read_metrics(out)[1], read_metrics(ddp_one_process)[1]
     assert sorted(cp_val) == [0, 10, 20] and all(abs(cp_val[s] - ddp_val[s]) <= 1e-5 for s in cp_val)
-
-
-def test_a_2d_mesh_of_4_ranks_trains_as_ddp_on_2_ranks(two_by_two, tiny_run):
-    ddp = assert_same_steps(two_by_two, tiny_run("ddp_pretrain.py")[0], range(1, 21), 1e-5, 1e-5)
-    assert len({ddp[step]["bucket_len"] for step in range(1, 21)}) >= 3
 
 
 def test_the_attention_equals_one_process_sdpa_in_output_and_gradients(tiny_run):
@@ -89,16 +77,17 @@ def test_on_2_ranks_a_bad_bucket_is_one_line_from_one_rank(tmp_path):
                       "--buckets or --cp"]
 
 
-def test_a_cp_checkpoint_continues_in_fsdp2_pretrain_and_back(two_by_two, tmp_path):
-    """dp 2 x cp 2 on 4 ranks, to fsdp2_pretrain.py on 1 process at step 10, back to dp 1 x cp 2 on 2 ranks at step 15:
-    DCP reshards each time; the global batch is the same, so are the steps of the uninterrupted 4-rank run."""
-    fsdp2 = copy_checkpoint(two_by_two, 10, tmp_path / "fsdp2")
+def test_a_cp_checkpoint_continues_in_fsdp2_pretrain_and_back(tiny_run, tmp_path):
+    """dp 1 x cp 2 on 2 ranks, to fsdp2_pretrain.py on 1 process at step 10, back to dp 1 x cp 2 on 2 ranks at step 15:
+    DCP reshards each time; the global batch is the same, so are the steps of the uninterrupted run."""
+    cp_run = tiny_run("fsdp2_cp_pretrain.py")[0]
+    fsdp2 = copy_checkpoint(cp_run, 10, tmp_path / "fsdp2")
     result = check(run_script("fsdp2_pretrain.py", *TINY_RUN, "--grad-accum", 2, "--save-every", 5, "--out-dir", fsdp2,
                               "--resume"))
     assert "at step 10" in result.stdout and sorted(read_metrics(fsdp2)[0]) == list(range(11, 21))
-    assert_same_steps(fsdp2, two_by_two, range(11, 21), 1e-5, 1e-5)
+    assert_same_steps(fsdp2, cp_run, range(11, 21), 1e-5, 1e-5)
     back = copy_checkpoint(fsdp2, 15, tmp_path / "cp")
     result = check(run_script("fsdp2_cp_pretrain.py", *TINY_RUN, "--grad-accum", 2, "--out-dir", back, "--resume",
                               nproc=2))
     assert "at step 15" in result.stdout and sorted(read_metrics(back)[0]) == list(range(16, 21))
-    assert_same_steps(back, two_by_two, range(16, 21), 1e-5, 1e-5)
+    assert_same_steps(back, cp_run, range(16, 21), 1e-5, 1e-5)

@@ -3,7 +3,6 @@ splits, moves exactly the collectives docs/parallelism.md states, and its checkp
 and are read by generate.py (export_hf.py: test_export_hf.py; a crash and its resume: test_crash.py)."""
 import json
 import math
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -48,23 +47,15 @@ def test_one_layer_moves_exactly_the_collectives_the_docs_state(tiny_run):
     assert probe["forward"] == {"all_reduce": 2} and probe["backward"] == {"all_reduce": 5}
 
 
-def test_a_tp_checkpoint_resumes_in_fsdp2_pretrain_on_2_ranks_and_on_1(tiny_run, tmp_path):
-    """DCP reshards the dp 1 x tp 2 shards into FSDP2's 1D layout; 2 replicas, or 1 with 2 micro-batches, take the
-    same global batches, so the same steps. The two resumes run side by side."""
+def test_a_tp_checkpoint_resumes_in_fsdp2_pretrain_on_1_process(tiny_run, tmp_path):
+    """DCP reshards the dp 1 x tp 2 shards into FSDP2's 1D layout; 1 process with 2 micro-batches takes the same
+    global batches, so the same steps (a TP checkpoint with replicas: test_fsdp2_3d_pretrain.py)."""
     tp_run = tiny_run("fsdp2_tp_pretrain.py")[0]
-
-    def resume(nproc, *flags):
-        resumed = copy_checkpoint(tp_run, 10, tmp_path / f"on_{nproc}")
-        command = ["fsdp2_pretrain.py", *TINY_RUN, *flags, "--out-dir", resumed, "--resume"]
-        result = check(run_script(*command, nproc=nproc))
-        return resumed, result
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        runs = list(pool.map(lambda layout: resume(*layout), [(2,), (1, "--grad-accum", 2)]))
-    for resumed, result in runs:
-        assert "at step 10" in result.stdout
-        assert sorted(read_metrics(resumed)[0]) == list(range(11, 21))
-        assert_same_steps(resumed, tp_run, range(11, 21), 1e-4, 1e-4)
+    resumed = copy_checkpoint(tp_run, 10, tmp_path / "on_1")
+    result = check(run_script("fsdp2_pretrain.py", *TINY_RUN, "--grad-accum", 2, "--out-dir", resumed, "--resume"))
+    assert "at step 10" in result.stdout
+    assert sorted(read_metrics(resumed)[0]) == list(range(11, 21))
+    assert_same_steps(resumed, tp_run, range(11, 21), 1e-4, 1e-4)
 
 
 def test_generate_reads_a_tp_checkpoint_as_the_ddp_one_it_equals(tiny_run, ddp_one_process):

@@ -61,7 +61,7 @@ def test_dry_run_measures_every_part_and_writes_its_table():
     assert [row["configuration"].split(":")[0] for row in rows[8:10]] == [
         "estimate_memory.py fsdp2, bucket 128", "estimate_memory.py sft, bucket 256"]
     assert all(row["ratio"] is None and " GB" in row["configuration"] for row in rows[8:10])
-    assert rows[10]["outcome"] == "ok: 0 passed, 0 failed, 10 skipped of 10"  # every script's CUDA test, collected
+    assert rows[10]["outcome"] == "ok: 0 passed, 0 failed, 11 skipped of 11"  # every script's CUDA test, collected
     # The profiles of A, B and A-ddp: three steps after the timed ones, each step's host time (no GPU to be busy).
     assert sorted(results["profiles"]) == ["A", "A-ddp", "B"]
     for profile in results["profiles"].values():

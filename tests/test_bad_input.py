@@ -142,6 +142,15 @@ BAD_INPUTS = {  # case: (script, flags, ranks, words the error line must hold: t
         ("fsdp2_tp_pretrain.py", ["--model", "tiny", "--tp", 2], 1, ["--tp 2", "world size 1"]),
     "compile with tensor parallelism":
         ("fsdp2_tp_pretrain.py", ["--model", "tiny", "--tp", 1, "--compile"], 1, ["--compile", "eager"]),
+    "3D degrees whose product does not divide the world size":
+        ("fsdp2_3d_pretrain.py", ["--model", "tiny", "--dp-replicate", 2, "--cp", 2, "--tp", 2], 4,
+         ["--dp-replicate 2 x --cp 2 x --tp 2", "world size 4"]),
+    "3D TP degree beyond the KV heads":
+        ("fsdp2_3d_pretrain.py", ["--model", "tiny", "--tp", 4], 4, ["--tp 4", "4 heads and 2 KV heads", "'tiny'"]),
+    "3D bucket that 2 x cp does not divide":
+        ("fsdp2_3d_pretrain.py", ["--model", "tiny", "--cp", 2, "--buckets", "30,64"], 2, ["--buckets 30,64", "= 4"]),
+    "compile with 3D tensor parallelism":
+        ("fsdp2_3d_pretrain.py", ["--model", "tiny", "--tp", 2, "--compile"], 2, ["--compile", "--cp 1 --tp 1"]),
     "PP degree that does not divide the layers":
         ("pp_pretrain.py", ["--model", "tiny", "--pp", 4], 1, ["--pp 4", "2 layers", "'tiny'"]),
     "PP degree that does not divide the world size":

@@ -1,6 +1,6 @@
 """fsdp2_3d_pretrain.py on CPU with gloo: HSDP x CP x TP on one mesh trains as DDP does with the same global batch, in
 three shapes (and HSDP alone: test_multinode.py); a run killed mid-step resumes exactly in another shape; its
-checkpoints continue in fsdp2_pretrain.py and back at other world sizes; a bad combination is one line.
+checkpoints continue in fsdp2_pretrain.py and back at other world sizes. Its bad combinations: test_bad_input.py.
 
 The suite's one 8-process run, replicate 2 x cp 2 x tp 2, is the one killed: its 11 steps and its step-10 checkpoint
 are what the other runs here start from."""
@@ -18,7 +18,6 @@ from helpers import (
     copy_checkpoint,
     read_metrics,
     run_script,
-    run_until_the_first_collective,
 )
 
 THREE_D = ["--dp-replicate", 2, "--cp", 2, "--tp", 2]  # on 8 ranks: dp 2 (replicate 2 x shard 1), each cp 2 x tp 2
@@ -82,21 +81,3 @@ def test_checkpoints_continue_in_fsdp2_pretrain_and_back_at_other_world_sizes(ki
     for out in outs:
         assert_same_steps(out, tiny_run("ddp_pretrain.py")[0], range(11, 21), 1e-5, 1e-5)
 
-
-BAD_3D = {  # case: (flags, world size, words the error line must hold: the flags first)
-    "degrees whose product does not divide the world size": (["--dp-replicate", 2, "--cp", 2, "--tp", 2], 4,
-                                                              ["--dp-replicate 2 x --cp 2 x --tp 2", "world size 4"]),
-    "--tp beyond the KV heads": (["--tp", 4], 4, ["--tp 4", "4 heads and 2 KV heads", "'tiny'"]),
-    "a bucket that 2 x cp does not divide": (["--cp", 2, "--buckets", "30,64"], 2, ["--buckets 30,64", "= 4"]),
-    "--compile with cp or tp": (["--tp", 2, "--compile"], 2, ["--compile", "--cp 1 --tp 1"]),
-}
-
-
-@pytest.mark.parametrize("case", BAD_3D)
-def test_a_bad_combination_is_one_line_naming_the_flags_before_any_collective(case, tmp_path, monkeypatch):
-    flags, world_size, words = BAD_3D[case]
-    flags = ["--model", "tiny", *map(str, flags), "--out-dir", str(tmp_path / "run")]
-    code, stderr = run_until_the_first_collective("fsdp2_3d_pretrain.py", flags, world_size, monkeypatch)
-    lines = stderr.splitlines()
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and all(w in lines[0] for w in words)
-    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -17,7 +17,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
@@ -140,8 +139,7 @@ if args.compile:
         layer.compile(dynamic=False)  # in place (state_dict keys unchanged); static shapes: each bucket its own kernels
 
 # ---------------------------------------------------------------------------------------------- wrap
-model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, process_group=mesh["dp"].get_group(),
-            static_graph=True)  # a stage's replicas; static, or GPipe trips DDP's bucket rebuild (assert, torch 2.13)
+# No DDP: under the schedules' backward per micro-batch its reducer leaves the last stage unsynced (torch 2.13).
 
 # ---------------------------------------------------------------------------------------------- optimizer
 # Matrices decay; biases and norm gains do not: decided by name, the same rule in every script.
@@ -163,7 +161,7 @@ def run_pipeline(batches, scale, train):
         stage = PipelineStage(model, stage_index, args.pp, device, group=pp_group)
         schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.pp_schedule]
         # scale_grads=False: the loss is already a sum over the whole step, not to be divided by the micro-batches.
-        pipeline_schedules[bucket_len] = schedule(stage, args.grad_accum, loss_fn=model.module.loss, scale_grads=False)
+        pipeline_schedules[bucket_len] = schedule(stage, args.grad_accum, loss_fn=model.loss, scale_grads=False)
     input_ids, targets = (torch.cat(tensors) for tensors in zip(*batches))
     schedule, losses = pipeline_schedules[bucket_len], []
     (schedule.step if train else schedule.eval)(*([input_ids] if is_first else []), target=targets if is_last else None,
@@ -175,13 +173,14 @@ def run_pipeline(batches, scale, train):
 def train_step(batches, target_tokens):
     """Forward and backward over this pipeline's micro-batches [(input_ids, targets)] of a step with target_tokens
     targets on all pipelines; the gradients clipped. Returns this rank's summed loss and the global gradient norm."""
-    # Divide by the target tokens of the WHOLE step (all pipelines, all micro-batches), as ddp_pretrain.py does: the
-    # gradient sync averages over pipelines, so we multiply by dp_size to turn that average back into the sum.
-    loss_sum = run_pipeline(batches, dp_size / target_tokens, True) * target_tokens / dp_size
+    # Divide by the target tokens of the WHOLE step (all pipelines, all micro-batches), as ddp_pretrain.py does.
+    loss_sum = run_pipeline(batches, 1 / target_tokens, True) * target_tokens
+    for grad in [p.grad for p in model.parameters()] if dp_size > 1 else []:  # the stage's replicas: the sum of theirs
+        dist.all_reduce(grad, group=mesh["dp"].get_group())
     if is_first or is_last:  # the embedding's copy and the head's are one weight: one gradient, the sum of both
-        dist.all_reduce(model.module.model.embed_tokens.weight.grad, group=tie_group)
+        dist.all_reduce(model.model.embed_tokens.weight.grad, group=tie_group)
     # Every gradient's norm in one foreach kernel, in fp64: on a CPU fp32 drifts ~1e-4 on big tensors (pytorch#169237).
-    norms = torch._foreach_norm([p.grad for name, p in model.module.named_parameters()  # tied: counted once
+    norms = torch._foreach_norm([p.grad for name, p in model.named_parameters()  # tied: counted once
                                  if is_first or not name.startswith("model.embed_tokens")], 2, torch.float64)
     grad_norm = torch.stack(norms).square().sum()
     dist.all_reduce(grad_norm, group=pp_group)  # the stages' squares, summed
@@ -201,8 +200,8 @@ def save_checkpoint(step, data_position):
                    partial_dir / "train_state.pt")  # one copy: ranks seed alike
     dist.barrier()  # the folder exists before anyone writes into it
     # Replicas and the tied weight's two copies hold the same tensors under the same names: DCP writes each once.
-    dcp.save(get_model_state_dict(model.module), checkpoint_id=partial_dir / "model")
-    dcp.save(get_optimizer_state_dict(model.module, optimizer), checkpoint_id=partial_dir / "optimizer")
+    dcp.save(get_model_state_dict(model), checkpoint_id=partial_dir / "model")
+    dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=partial_dir / "optimizer")
     if rank == 0:
         checkpoints.commit_checkpoint(partial_dir, args, SCRIPT, step, world_size, data_order, RESUMED_BY,
                                       train.chat_format)
@@ -211,11 +210,11 @@ def save_checkpoint(step, data_position):
 
 def load_checkpoint(checkpoint_dir):
     """DCP loads in place into state dicts of this stage's names only, from a checkpoint of any layout; we set them."""
-    model_state, optimizer_state = get_model_state_dict(model.module), get_optimizer_state_dict(model.module, optimizer)
+    model_state, optimizer_state = get_model_state_dict(model), get_optimizer_state_dict(model, optimizer)
     dcp.load(model_state, checkpoint_id=checkpoint_dir / "model")
     # Only the moments: the saved param groups are one stage's (DCP keeps one copy of what every rank names alike).
     dcp.load({"state": optimizer_state["state"]}, checkpoint_id=checkpoint_dir / "optimizer")
-    set_state_dict(model.module, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
     train_state = torch.load(checkpoint_dir / "train_state.pt", map_location="cpu", weights_only=True)
     torch.set_rng_state(train_state["rng"])
     return train_state["step"], train_state["data_position"]

@@ -25,8 +25,8 @@ DIFFS = {
         {"preamble": 9, "setup": 26, "distributed": 12, "model": 4, "context parallel": 4, "tensor parallel": 9,
          "wrap": 11, "training step": 15, "evaluation": 2, "training loop": 2},
     ("ddp_pretrain.py", "pp_pretrain.py"):  # the stage module, its schedule per bucket, the tied weight's two copies
-        {"preamble": 14, "setup": 17, "data": 2, "distributed": 5, "model": 28, "wrap": 5, "pipeline": 20,
-         "training step": 31, "checkpoint": 28, "resume": 2, "evaluation": 8, "training loop": 4},
+        {"preamble": 15, "setup": 17, "data": 2, "distributed": 5, "model": 28, "wrap": 4, "pipeline": 20,
+         "training step": 32, "checkpoint": 28, "resume": 2, "evaluation": 8, "training loop": 4},
     ("fsdp2_pretrain.py", "fsdp2_sft.py"):  # chat data, its init read shard by shard, the marker rows, accuracy
         {"preamble": 38, "setup": 14, "data": 13, "model": 2, "init from a checkpoint": 17, "evaluation": 16, "end": 4},
     ("fsdp2_sft.py", "fsdp2_grpo.py"):  # prompts and rewards, rollouts, the advantage and the policy-gradient loss

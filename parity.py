@@ -1,0 +1,207 @@
+"""Does every strategy train exactly as DDP does? Each pretraining script and its variants, from one seed on one data
+order with the same global batch (tiny preset, fp32, CPU, gloo), against DDP step by step: one table, parity.json and
+parity.png (the loss curves overlaid; the differences on a log axis beside them).
+
+    python parity.py                                    # every row at world 2 and 4, the 3D script's at 8 too
+    python parity.py --scripts my_fork.py --world 2     # did my change keep training exact? (any script taking the
+                                                        # common flags)
+
+A row runs its script on `world` ranks with --grad-accum making up the ranks that read the same samples (tp, cp, pp),
+so each step takes world batches, as DDP's reference of that world does (DDP on 2 processes, --grad-accum world / 2,
+made once per world). Exit status 1 when a row's loss or gradient norm differs from DDP's by more than --tolerance
+(relative where DDP's value is above 1) at some step, or a run fails: one line per such row, naming it and the columns.
+"""
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import common
+
+REPO = Path(__file__).resolve().parent
+# name: (script, its flags, the ranks that read the same samples: world / this = the data-parallel degree, the worlds)
+ROWS = {
+    "fsdp1": ("fsdp1_pretrain.py", [], 1, (2, 4)),
+    "fsdp2": ("fsdp2_pretrain.py", [], 1, (2, 4)),
+    "fsdp2 ZeRO-2": ("fsdp2_pretrain.py", ["--reshard-after-forward", "false"], 1, (2, 4)),
+    "tp 2": ("fsdp2_tp_pretrain.py", ["--tp", "2"], 2, (2, 4)),
+    "cp 2": ("fsdp2_cp_pretrain.py", ["--cp", "2"], 2, (2, 4)),
+    "pp 2 GPipe": ("pp_pretrain.py", ["--pp", "2", "--pp-schedule", "gpipe"], 2, (2, 4)),
+    "pp 2 1F1B": ("pp_pretrain.py", ["--pp", "2", "--pp-schedule", "1f1b"], 2, (2, 4)),
+    "3d replicate 2": ("fsdp2_3d_pretrain.py", ["--dp-replicate", "2"], 1, (2, 4)),
+    "3d cp 2 x tp 2": ("fsdp2_3d_pretrain.py", ["--cp", "2", "--tp", "2"], 4, (4,)),
+    "3d 2 x 2 x 2": ("fsdp2_3d_pretrain.py", ["--dp-replicate", "2", "--cp", "2", "--tp", "2"], 4, (8,)),
+}
+COLUMNS = ["max |loss - DDP|", "max |grad norm - DDP|", "val loss", "seconds"]
+
+
+def parse_args(argv=None):
+    parser = common.ArgumentParser(__doc__)
+    parser.add_argument("--scripts", nargs="+", default=None, help="instead of the rows above: these scripts, each "
+                        "as one row with no flags of its own (a fork of a pretraining script)")
+    parser.add_argument("--world", type=common.COUNT, nargs="+", default=None, help="the world sizes to run (default: "
+                        "each row's own; with --scripts, 2), each even")
+    parser.add_argument("--steps", type=common.COUNT, default=24, help="steps per run: the buckets come shortest "
+                        "first, and on the built-in data the 24th step is in the last at every world size")
+    parser.add_argument("--data", default="data/builtin", help="a prepared folder (`python prepare_data.py`)")
+    parser.add_argument("--tolerance", type=common.number(float, 0), default=1e-5, help="the largest difference from "
+                        "DDP a row may show in loss or grad norm (relative above 1)")
+    parser.add_argument("--out-dir", default="runs/parity", help="the runs, parity.json and parity.png go here")
+    args = parser.parse_args(argv)
+    if any(world % 2 for world in args.world or []):
+        raise common.UsageError(f"--world {' '.join(map(str, args.world))}: every world size must be even (DDP's "
+                                f"reference runs on 2 processes): change --world")
+    for script in args.scripts or []:
+        if not (REPO / script).is_file() and not Path(script).is_file():
+            raise common.UsageError(f"--scripts {script}: no such file: pass a script's path")
+    if not (Path(args.data) / "meta.json").is_file():
+        raise common.UsageError(f"--data {args.data} is no prepared folder: run `python prepare_data.py` first, or "
+                                f"pass one it wrote")
+    return args
+
+
+def planned_rows(args):
+    """[(name, script, flags, world)] to run against DDP, in table order."""
+    if args.scripts:
+        return [(Path(script).name, script, [], 1, world) for script in args.scripts for world in args.world or [2]]
+    rows = []
+    for world in sorted({w for *_, worlds in ROWS.values() for w in worlds} if args.world is None else args.world):
+        rows += [(name, script, flags, divisor, world) for name, (script, flags, divisor, worlds) in ROWS.items()
+                 if (world in worlds if args.world is None else world % divisor == 0)]
+    return rows
+
+
+def run(script, flags, nproc, out_dir, args):
+    """SCRIPT on NPROC ranks under torchrun into OUT_DIR (kept when it already holds this command's finished run, the
+    script's bytes the same): (seconds, exit status, the last line of its error output)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
+               "--model", "tiny", "--dtype", "fp32", "--data", args.data, "--max-steps", str(args.steps),
+               "--eval-every", str(args.steps), "--save-every", str(args.steps), "--bucket-order", "ascending",
+               "--val-fraction", "0.002", *flags, "--out-dir", str(out_dir)]
+    done, source = out_dir / "parity-command.json", hashlib.sha256((REPO / script).read_bytes()).hexdigest()
+    if done.is_file() and json.loads(done.read_text()) == [source, *command[1:]]:
+        return json.loads((out_dir / "parity-seconds.json").read_text()), 0, ""
+    subprocess.run(["rm", "-rf", str(out_dir)], check=True)
+    start = time.perf_counter()
+    python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # a fork elsewhere too
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": python_path}
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if result.returncode == 0:
+        (out_dir / "parity-seconds.json").write_text(json.dumps(seconds))
+        done.write_text(json.dumps([source, *command[1:]]))
+    lines = result.stderr.splitlines()
+    errors = [line for line in lines if line.startswith("error: ")] or [line for line in lines if "Error" in line]
+    return seconds, result.returncode, (errors or lines or [""])[-1].strip()
+
+
+def read_steps(out_dir):
+    """{step: row} of a run's training rows, and its last validation loss."""
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    val_losses = [row["val_loss"] for row in rows if "val_loss" in row]
+    return {row["step"]: row for row in rows if "loss" in row}, val_losses[-1]
+
+
+def difference(value, reference):
+    return abs(value - reference) / max(1.0, abs(reference))
+
+
+def compare(out_dir, reference_dir):
+    """{column: value} of a run against DDP's: the largest loss and grad norm differences over every step DDP logged
+    (relative where DDP's value is above 1; a step the run did not log counts as infinite), its last validation loss."""
+    steps, val_loss = read_steps(out_dir)
+    reference, _ = read_steps(reference_dir)
+
+    def largest(metric):
+        return max(difference(steps[s][metric], r[metric]) if s in steps else math.inf for s, r in reference.items())
+
+    return {"max |loss - DDP|": largest("loss"), "max |grad norm - DDP|": largest("grad_norm"), "val loss": val_loss}
+
+
+def table(rows):
+    """The printed table: a line per row."""
+    lines = [f"{'row':<18} {'world':>5} " + " ".join(f"{column:>22}" for column in COLUMNS)]
+    for row in rows:
+        cells = [f"{row[column]:>22.2e}" if column.startswith("max") and row.get(column) is not None else
+                 f"{row[column]:>22.4f}" if column == "val loss" and row.get(column) is not None else
+                 f"{row[column]:>22.0f}" if column == "seconds" else f"{'failed':>22}" for column in COLUMNS]
+        lines.append(f"{row['row']:<18} {row['world']:>5} " + " ".join(cells))
+    return "\n".join(lines)
+
+
+def plot(rows, out_dir, path):
+    """The loss curves of DDP and every row, one colour per row; beside them each row's |loss - DDP| per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (curves, gaps) = plt.subplots(1, 2, figsize=(13, 4.5))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    drawn = set()
+    for i, row in enumerate(r for r in rows if r.get("val loss") is not None):
+        steps, _ = read_steps(out_dir / row["folder"])
+        reference, _ = read_steps(out_dir / row["reference"])
+        label, colour = f"{row['row']}, world {row['world']}", colours[i % len(colours)]
+        if row["reference"] not in drawn:
+            curves.plot(list(reference), [r["loss"] for r in reference.values()], color="black", linewidth=3,
+                        alpha=0.3, label=f"DDP, {row['reference'].split('-')[1]} batches a step")
+            drawn.add(row["reference"])
+        curves.plot(list(steps), [r["loss"] for r in steps.values()], color=colour, linewidth=1, label=label)
+        gap = [max(difference(steps[s]["loss"], reference[s]["loss"]), 1e-12) for s in steps if s in reference]
+        gaps.plot([s for s in steps if s in reference], gap, color=colour, marker=".", label=label)
+    curves.set(xlabel="step", ylabel="training loss", title="loss: every row over DDP")
+    gaps.set(xlabel="step", ylabel="|loss - DDP| (floored at 1e-12)", yscale="log", title="difference from DDP")
+    gaps.legend(fontsize=7, ncol=2)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main():
+    args = parse_args()
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results, failures = [], []
+    for name, script, flags, divisor, world in planned_rows(args):
+        folder = f"{name.replace(' ', '-')}-world-{world}"
+        accum = ["--grad-accum", str(divisor)] if divisor > 1 else []
+        seconds, status, error = run(script, [*flags, *accum], world, out_dir / folder, args)
+        row = {"row": name, "world": world, "script": script, "flags": [*flags, *accum], "folder": folder,
+               "seconds": seconds}
+        results.append(row)
+        print(f"{name}, world {world}: {seconds:.0f} s", file=sys.stderr)
+        if status:
+            failures.append(f"{name} at world {world}: the run failed (exit {status}): {error}")
+            continue
+        # DDP's reference takes the row's global batch (its config.json), on 2 processes: made once for each.
+        config = json.loads((out_dir / folder / "config.json").read_text())
+        batches = config["tokens_per_step"] // config["flags"]["tokens_per_batch"]
+        row["reference"] = f"ddp-{batches}-batches"
+        if batches % 2:
+            failures.append(f"{name} at world {world}: {batches} batches a step, which DDP on 2 processes cannot take")
+            continue
+        _, status, error = run("ddp_pretrain.py", ["--grad-accum", str(batches // 2)], 2, out_dir / row["reference"],
+                               args)
+        if status:
+            raise common.ReportedError(f"DDP's reference of {batches} batches a step failed (exit {status}): {error}")
+        row.update(compare(out_dir / folder, out_dir / row["reference"]))
+        over = [f"{column} is {row[column]:.1e}" for column in COLUMNS[:2] if not row[column] <= args.tolerance]
+        if over:
+            failures.append(f"{name} at world {world}: {', '.join(over)}, over --tolerance {args.tolerance:g}")
+    print(table(results))
+    (out_dir / "parity.json").write_text(json.dumps({"tolerance": args.tolerance, "steps": args.steps,
+                                                     "rows": results}, indent=1))
+    plot(results, out_dir, out_dir / "parity.png")
+    print(f"parity.json and parity.png in {out_dir}")
+    for failure in failures:
+        print(f"error: {failure}", file=sys.stderr)
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()

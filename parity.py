@@ -56,11 +56,13 @@ def parse_args(argv=None):
         raise common.UsageError(f"--world {' '.join(map(str, args.world))}: every world size must be even (DDP's "
                                 f"reference runs on 2 processes): change --world")
     for script in args.scripts or []:
-        if not (REPO / script).is_file() and not Path(script).is_file():
+        if not Path(script).is_file():
             raise common.UsageError(f"--scripts {script}: no such file: pass a script's path")
+    args.scripts = args.scripts and [str(Path(script).resolve()) for script in args.scripts]  # run from the checkout
     if not (Path(args.data) / "meta.json").is_file():
         raise common.UsageError(f"--data {args.data} is no prepared folder: run `python prepare_data.py` first, or "
                                 f"pass one it wrote")
+    args.data, args.out_dir = str(Path(args.data).resolve()), str(Path(args.out_dir).resolve())  # the runs' cwd: REPO
     return args
 
 

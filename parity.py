@@ -15,6 +15,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -67,7 +68,7 @@ def parse_args(argv=None):
 
 
 def planned_rows(args):
-    """[(name, script, flags, world)] to run against DDP, in table order."""
+    """[(name, script, flags, the ranks that read the same samples, world)] to run against DDP, in table order."""
     if args.scripts:
         return [(Path(script).name, script, [], 1, world) for script in args.scripts for world in args.world or [2]]
     rows = []
@@ -87,7 +88,7 @@ def run(script, flags, nproc, out_dir, args):
     done, source = out_dir / "parity-command.json", hashlib.sha256((REPO / script).read_bytes()).hexdigest()
     if done.is_file() and json.loads(done.read_text()) == [source, *command[1:]]:
         return json.loads((out_dir / "parity-seconds.json").read_text()), 0, ""
-    subprocess.run(["rm", "-rf", str(out_dir)], check=True)
+    shutil.rmtree(out_dir, ignore_errors=True)  # a run that failed or ran another command
     start = time.perf_counter()
     python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # a fork elsewhere too
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": python_path}

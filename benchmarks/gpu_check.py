@@ -19,17 +19,16 @@ steps 32-34 of A, A-ddp and B are profiled (benchmarks/step_profile.py), after t
   A       fsdp2_pretrain.py, full activation checkpointing.
   B       the bare loop (benchmarks/baselines.py bare: the same model class, batches, wrapping, bf16 and checkpointing;
           no metrics, no checkpoint, one wait for the GPU per step) as FSDP2: A / B is what the script's loop costs.
-          Then phases that compile more of the step, cumulatively (the chunked loss's passes over the vocabulary, the
-          embedding, the optimizer step): a row each, its ratio to the phase before.
+          Then the same with the optimizer step compiled too: its ratio to B.
   A-ddp   ddp_pretrain.py at A's setting, and B-ddp, the bare loop as DDP: the loop's cost under DDP, and B / B-ddp,
           what FSDP2's own machinery costs on one rank.
   N       fsdp2_pretrain.py --activation-checkpointing none: no recompute (the goal row where it fits 24 GB).
-  C       --activation-checkpointing selective.
   M       estimate_memory.py --check-on-gpu: its estimate for FSDP2 at 2,048 and the SFT at 8,192 beside one real step's
           peak allocated and reserved memory (ratio: estimate / allocated; goal: within 10%).
   E       tests/test_cuda.py: every training script's CUDA path (tiny preset, bf16, NCCL; one with --compile; the waits
           for the GPU per step, counted by torch.cuda.set_sync_debug_mode).
-  B-none  the bare loop without checkpointing, for N / B-none; A-eager and A2 (bucket 1,024), if time is left.
+  B-none  the bare loop without checkpointing, for N / B-none; C, --activation-checkpointing selective; A-eager and A2
+          (bucket 1,024): if time is left.
 Goals in the table: MFU at least 40% where the peak reserved memory fits 24 GB; a script within 5% of its bare loop;
 step times within 10% of each other ((slowest - fastest) / median of the timed steps); the estimate within 10%.
 The text fills each bucket: CPython's help topics and docstrings (the built-in corpus), shuffled and joined into
@@ -119,10 +118,10 @@ else:
 # After the timed steps: the profiler's warm-up step, the 3 it records, and the run's last (evaluation, checkpoint).
 TAIL, PROFILED = 5, f"{STEPS + 2}-{STEPS + 4}"
 PHASE_STEPS = 6 if cli.dry_run else 15  # a phase of the bare loop: a third to compile and settle, the rest timed
-# Each part's time bound (seconds) and the time kept for it while earlier parts run: guessed for an H100 from the
-# last run's parts (376 s in all), a part at a time; a part beyond its bound stops, the next ones still run.
+# Each part's time bound (seconds) and the time kept for it while earlier parts run: guessed from the last run's parts
+# on an H200 (a compiled qwen2-0.5b run takes 45-70 s); a part beyond its bound stops, the next ones still run.
 BOUNDS = {"A": 150, "B": 200, "A-ddp": 120, "B-ddp": 100, "N": 120, "C": 120, "M": 150, "E": 240}
-KEPT = {"A": 50, "B": 90, "A-ddp": 45, "B-ddp": 35, "N": 45, "C": 45, "M": 60, "E": 100, "B-none": 35}
+KEPT = {"A": 70, "B": 110, "A-ddp": 60, "B-ddp": 45, "N": 60, "C": 45, "M": 85, "E": 105, "B-none": 35}
 with torch.device("meta"):  # no memory: only the parameter count and shapes, for the FLOPs per token
     meta_model = modeling.build_model(MODEL)
 N_PARAMS, MODEL_CONFIG = modeling.count_parameters(meta_model), meta_model.config
@@ -403,20 +402,17 @@ def measure_part(name, configuration, measure, **kwargs):
 
 
 # ---------------------------------------------------------------------------------------------- the parts
-ORDER = ["A", "B", "A-ddp", "B-ddp", "N", "C", "M", "E"]  # the parts after each keep their time (KEPT)
+ORDER = ["A", "B", "A-ddp", "B-ddp", "N", "M", "E"]  # the parts after each keep their time (KEPT)
 compiled = "--compile" if COMPILE else "eager"
 measure_part("A", f"fsdp2_pretrain.py, bucket {BUCKET}, full checkpointing, {compiled}",
              pretrain("A", "fsdp2_pretrain.py", BUCKET, *COMPILE, profile=True))
 measure_part("B", f"bare loop as FSDP2, bucket {BUCKET}, full checkpointing, {compiled}",
-             bare_loop("B", "fsdp2", "--compile-more", "loss,embedding,optimizer", profile=True))
+             bare_loop("B", "fsdp2", "--compile-more", "optimizer", profile=True))
 measure_part("A-ddp", f"ddp_pretrain.py, bucket {BUCKET}, full checkpointing, {compiled}",
              pretrain("A-ddp", "ddp_pretrain.py", BUCKET, *COMPILE, profile=True))
 measure_part("B-ddp", f"bare loop as DDP, bucket {BUCKET}, full checkpointing, {compiled}", bare_loop("B-ddp", "ddp"))
 measure_part("N", f"fsdp2_pretrain.py, bucket {BUCKET}, no checkpointing, {compiled}",
              pretrain("N", "fsdp2_pretrain.py", BUCKET, "--activation-checkpointing", "none", *COMPILE))
-if not cli.dry_run:  # a pretraining part as N is, with another flag: N proves its plumbing on a CPU
-    measure_part("C", f"fsdp2_pretrain.py, bucket {BUCKET}, selective checkpointing, {compiled}",
-                 pretrain("C", "fsdp2_pretrain.py", BUCKET, "--activation-checkpointing", "selective", *COMPILE))
 
 
 def memory_estimates(until):
@@ -470,10 +466,13 @@ def cuda_tests(until):
 
 
 run_part("E", "tests/test_cuda.py: every training script, tiny, bf16, 1 GPU, one with --compile", cuda_tests)
-if not cli.dry_run:  # the bare loop without checkpointing, compiled against eager and the next bucket down: parts
-    # whose plumbing the dry run's B and N prove
+if not cli.dry_run:  # the bare loop without checkpointing, selective checkpointing, eager and the next bucket down:
+    # parts whose plumbing the dry run's B and N prove
     measure_part("B-none", f"bare loop as FSDP2, bucket {BUCKET}, no checkpointing, {compiled}",
                  bare_loop("B-none", "fsdp2", "--activation-checkpointing", "none"), needs=KEPT["B-none"])
+    measure_part("C", f"fsdp2_pretrain.py, bucket {BUCKET}, selective checkpointing, {compiled}",
+                 pretrain("C", "fsdp2_pretrain.py", BUCKET, "--activation-checkpointing", "selective", *COMPILE),
+                 needs=KEPT["C"])
     measure_part("A-eager", f"fsdp2_pretrain.py, bucket {BUCKET}, full checkpointing, eager",
                  pretrain("A-eager", "fsdp2_pretrain.py", BUCKET), needs=KEPT["A"])
     measure_part("A2", f"fsdp2_pretrain.py, bucket {SECOND_BUCKET}, full checkpointing, {compiled}",

@@ -48,10 +48,10 @@ mode = HostReads()
 def after_step(optimizer, args, kwargs):
     finished[0] += 1
     if finished[0] == FIRST:  # the window opens: steps FIRST + 1 to LAST are counted
-        if torch.cuda.is_available():
+        if torch.cuda.is_available():  # the mode first: turning it on warns once that it is a prototype
+            torch.cuda.set_sync_debug_mode("warn")
             warnings.simplefilter("always")
             warnings.showwarning = on_sync_warning
-            torch.cuda.set_sync_debug_mode("warn")
         else:
             mode.__enter__()
     if FIRST <= finished[0] < LAST:

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import common
+import plot
 
 REPO = Path(__file__).resolve().parent
 # name: (script, its flags, the ranks that read the same samples: world / this = the data-parallel degree, the worlds)
@@ -103,26 +104,30 @@ def run(script, flags, nproc, out_dir, args):
 
 
 def read_steps(out_dir):
-    """{step: row} of a run's training rows, and its last validation loss."""
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    val_losses = [row["val_loss"] for row in rows if "val_loss" in row]
-    return {row["step"]: row for row in rows if "loss" in row}, val_losses[-1]
+    """{step: row} of a run's training rows and {step: validation loss} (plot.py's reader: a line cut short is
+    skipped)."""
+    rows = plot.read_metrics(out_dir, "see the run's own error")
+    return ({row["step"]: row for row in rows if "loss" in row},
+            {row["step"]: row["val_loss"] for row in rows if "val_loss" in row})
 
 
 def difference(value, reference):
     return abs(value - reference) / max(1.0, abs(reference))
 
 
-def compare(out_dir, reference_dir):
-    """{column: value} of a run against DDP's: the largest loss and grad norm differences over every step DDP logged
-    (relative where DDP's value is above 1; a step the run did not log counts as infinite), its last validation loss."""
-    steps, val_loss = read_steps(out_dir)
-    reference, _ = read_steps(reference_dir)
+def compare(out_dir, reference_dir, steps=None):
+    """{column: value} of a run against DDP's over STEPS (default: every step DDP logged): the largest loss and grad
+    norm differences (relative where DDP's value is above 1; a step the run did not log, or logged in another bucket,
+    counts as infinite), and its last validation loss."""
+    (train, val), (reference, _) = read_steps(out_dir), read_steps(reference_dir)
 
     def largest(metric):
-        return max(difference(steps[s][metric], r[metric]) if s in steps else math.inf for s, r in reference.items())
+        return max(difference(train[s][metric], reference[s][metric])
+                   if s in train and train[s]["bucket_len"] == reference[s]["bucket_len"] else math.inf
+                   for s in steps or reference)
 
-    return {"max |loss - DDP|": largest("loss"), "max |grad norm - DDP|": largest("grad_norm"), "val loss": val_loss}
+    return {"max |loss - DDP|": largest("loss"), "max |grad norm - DDP|": largest("grad_norm"),
+            "val loss": val[max(val)] if val else None}
 
 
 def table(rows):
@@ -136,7 +141,7 @@ def table(rows):
     return "\n".join(lines)
 
 
-def plot(rows, out_dir, path):
+def draw(rows, out_dir, path):
     """The loss curves of DDP and every row, one colour per row; beside them each row's |loss - DDP| per step."""
     import matplotlib
 
@@ -199,7 +204,7 @@ def main():
     print(table(results))
     (out_dir / "parity.json").write_text(json.dumps({"tolerance": args.tolerance, "steps": args.steps,
                                                      "rows": results}, indent=1))
-    plot(results, out_dir, out_dir / "parity.png")
+    draw(results, out_dir, out_dir / "parity.png")
     print(f"parity.json and parity.png in {out_dir}")
     for failure in failures:
         print(f"error: {failure}", file=sys.stderr)

@@ -56,38 +56,38 @@ def pytest_runtest_setup(item):
 
 
 @pytest.fixture(scope="session")
-def ddp_one_process(tmp_path_factory):
+def ddp_one_process(tiny_run):
     """DDP on one process with --grad-accum 2, the tiny run's samples: what tensor parallelism (dp 1) and pipeline
     parallelism (one pipeline) must equal. Returns its out_dir."""
-    from helpers import TINY_RUN, check, run_script
-
-    out = tmp_path_factory.mktemp("ddp_one_process") / "run"
-    check(run_script("ddp_pretrain.py", *TINY_RUN, "--grad-accum", 2, "--out-dir", out))
-    return out
+    return tiny_run("ddp_pretrain.py", "--grad-accum", 2, nproc=1)[0]
 
 
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory):
-    """tiny_run(script): one 2-rank, 20-step run of SCRIPT that saves at steps 10 and 20, made once per session
-    and shared by the tests that read it (parity, resume, sharding). Returns (out_dir, CompletedProcess)."""
+    """tiny_run(script, *flags, nproc=2): one 20-step run of SCRIPT that saves at steps 10 and 20, FLAGS after the
+    shared ones, made once per session and shared by the tests that read it (parity, resume, sharding). Returns
+    (out_dir, CompletedProcess)."""
     from helpers import EXTRA_FLAGS, RL_DATA, SFT_DATA, TINY_RUN, check, run_script
 
     runs = {}
 
-    def get(script):
-        if script not in runs:
+    def get(script, *flags, nproc=2):
+        key = (script, *map(str, flags), nproc)
+        if key not in runs:
             out = tmp_path_factory.mktemp(script.removesuffix(".py")) / "run"
             # The SFT starts from the FSDP2 pretraining run's newest checkpoint, GRPO from the SFT's.
             source = {"fsdp2_sft.py": "fsdp2_pretrain.py", "fsdp2_grpo.py": "fsdp2_sft.py"}.get(script)
             script_data = {"fsdp2_sft.py": SFT_DATA, "fsdp2_grpo.py": RL_DATA}.get(script, [])
             init = ["--init-from", get(source)[0], "--eval-generate", 8, *script_data] if source else []
-            flags = [*TINY_RUN, *EXTRA_FLAGS.get(script, []), *init, "--out-dir", out]
-            # Through probes that record what they see inside the run, into sync.json (and probe.json).
-            probe, variable = PROBES.get(script, (None, None))
+            all_flags = [*TINY_RUN, *EXTRA_FLAGS.get(script, []), *init, *flags, "--out-dir", out]
+            # Through probes that record what they see inside the run, into sync.json (and, for the shared run of
+            # 2 ranks, probe.json).
+            probe, variable = PROBES.get(script, (None, None)) if key == (script, 2) else (None, None)
             env = {"SYNC_PROBE": str(out.parent / "sync.json"), **({variable: str(out.parent / "probe.json")}
                                                                     if probe else {})}
-            result = run_script("tests/sync_probe.py", *([probe] if probe else []), script, *flags, nproc=2, env=env)
-            runs[script] = (out, check(result))
-        return runs[script]
+            result = run_script("tests/sync_probe.py", *([probe] if probe else []), script, *all_flags, nproc=nproc,
+                                env=env)
+            runs[key] = (out, check(result))
+        return runs[key]
 
     return get

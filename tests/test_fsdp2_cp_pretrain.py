@@ -19,16 +19,6 @@ from helpers import (
 )
 
 
-def test_cp_2_on_2_ranks_trains_as_ddp_on_1_rank(tiny_run, ddp_one_process):
-    """dp 1 x cp 2: both ranks read every sample, each computes half of every sequence (both runs: --grad-accum 2)."""
-    out = tiny_run("fsdp2_cp_pretrain.py")[0]
-    ddp = assert_same_steps(out, ddp_one_process, range(1, 21), 1e-5, 1e-5)
-    assert len({ddp[step]["bucket_len"] for step in range(1, 21)}) >= 3  # across buckets
-    assert any(ddp[step]["grad_norm"] > 1.0 for step in range(1, 21))  # clipping was active, and agreed too
-    cp_val, ddp_val = read_metrics(out)[1], read_metrics(ddp_one_process)[1]
-    assert sorted(cp_val) == [0, 10, 20] and all(abs(cp_val[s] - ddp_val[s]) <= 1e-5 for s in cp_val)
-
-
 def test_the_attention_equals_one_process_sdpa_in_output_and_gradients(tiny_run):
     """Inside the 2-rank run (tests/cp_probe.py): random queries, keys and values of 32 positions, each rank its zigzag
     piece; its output and the gradients of its queries, keys and values are the whole sequence's, piece by piece."""

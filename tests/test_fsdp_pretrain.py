@@ -9,16 +9,6 @@ from helpers import TINY_RUN, assert_same_weights_and_moments, check, copy_check
 FSDP_SCRIPTS = ["fsdp1_pretrain.py", "fsdp2_pretrain.py"]
 
 
-@pytest.mark.parametrize("script", FSDP_SCRIPTS)
-def test_losses_and_grad_norms_match_ddp(script, tiny_run):
-    ddp, _ = read_metrics(tiny_run("ddp_pretrain.py")[0])
-    fsdp, _ = read_metrics(tiny_run(script)[0])
-    for step in range(1, 11):
-        assert fsdp[step]["loss"] == pytest.approx(ddp[step]["loss"], abs=1e-4)
-        assert fsdp[step]["grad_norm"] == pytest.approx(ddp[step]["grad_norm"], rel=1e-4)
-    assert any(ddp[step]["grad_norm"] > 1.0 for step in range(1, 11))  # clipping was active, and agreed too
-
-
 def held_elements(stdout):
     """{rank: (parameter elements, optimizer-state elements)} from the line every rank prints at the end."""
     found = re.findall(r"rank (\d+) holds ([\d,]+) parameter and ([\d,]+) optimizer-state elements "
@@ -86,15 +76,3 @@ def test_checkpoint_from_2_ranks_resumes_on_1_rank(tiny_run, tmp_path):
     assert sorted(resumed) == list(range(11, 21))
     for step in range(11, 21):
         assert resumed[step]["loss"] == pytest.approx(original[step]["loss"], abs=1e-5)
-
-
-def test_zero2_trains_exactly_as_zero3(tiny_run, tmp_path):
-    """--reshard-after-forward false keeps each layer's gathered parameters from forward to backward (ZeRO-2) instead
-    of gathering them again (ZeRO-3): the same arithmetic, so the same steps as the default run."""
-    zero2_flags = ["--reshard-after-forward", "false", "--out-dir", tmp_path]
-    check(run_script("fsdp2_pretrain.py", *TINY_RUN, *zero2_flags, nproc=2))
-    zero2, zero3 = read_metrics(tmp_path)[0], read_metrics(tiny_run("fsdp2_pretrain.py")[0])[0]
-    assert sorted(zero2) == sorted(zero3) == list(range(1, 21))
-    for step in zero3:
-        assert zero2[step]["loss"] == pytest.approx(zero3[step]["loss"], abs=1e-6)
-        assert zero2[step]["grad_norm"] == pytest.approx(zero3[step]["grad_norm"], rel=1e-6)

@@ -1,11 +1,45 @@
-"""parity.py: a fork that trains as DDP does passes, one that divides its loss by its own rank's target count fails in
-one line naming its row and column; the table, parity.json and parity.png say the same."""
+"""Every strategy trains as DDP does: the suite's shared runs compared by parity.py's own code, a row per strategy; and
+parity.py itself: a fork that trains as DDP does passes, one that divides its loss by its own rank's target count fails
+in one line naming its row and column; the table, parity.json and parity.png say the same."""
 import json
 import subprocess
 
 import pytest
 
+import parity
 from helpers import PYTHON, REPO, TINY_DATA
+
+# A shared run (conftest.py's tiny_run: 20 steps, 3 buckets or more): its script, flags after the shared ones, ranks.
+DDP, DDP_ONE_PROCESS = ("ddp_pretrain.py", [], 2), ("ddp_pretrain.py", ["--grad-accum", 2], 1)
+# row: (the run, the run it must equal at the same global batch). TP, CP and PP's shared runs: 2 ranks that read the
+# same samples, --grad-accum 2; the pipelines of pp 2 x dp 2 read different ones.
+ROWS = {
+    "fsdp1": (("fsdp1_pretrain.py", [], 2), DDP),
+    "fsdp2": (("fsdp2_pretrain.py", [], 2), DDP),
+    "fsdp2 ZeRO-2": (("fsdp2_pretrain.py", ["--reshard-after-forward", "false"], 2), DDP),
+    "tp 2": (("fsdp2_tp_pretrain.py", [], 2), DDP_ONE_PROCESS),
+    "cp 2": (("fsdp2_cp_pretrain.py", [], 2), DDP_ONE_PROCESS),
+    "pp 2, 1F1B": (("pp_pretrain.py", [], 2), DDP_ONE_PROCESS),
+    "pp 2 x dp 2, GPipe": (("pp_pretrain.py", ["--pp", 2, "--pp-schedule", "gpipe", "--grad-accum", 1], 4), DDP),
+}
+
+
+@pytest.mark.parametrize("row", ROWS)
+def test_every_strategy_trains_as_ddp_does(row, tiny_run):
+    """Each of the 20 steps in the same bucket as DDP's, its loss and grad norm within parity.py's default tolerance
+    (relative above 1), across 3 buckets with clipping active; the validation losses too."""
+    (script, flags, nproc), (reference_script, reference_flags, reference_nproc) = ROWS[row]
+    run = tiny_run(script, *flags, nproc=nproc)[0]
+    reference = tiny_run(reference_script, *reference_flags, nproc=reference_nproc)[0]
+    found = parity.compare(run, reference)
+    print(found)
+    assert found["max |loss - DDP|"] <= 1e-5 and found["max |grad norm - DDP|"] <= 1e-5, found
+    (train, val), (reference_train, reference_val) = parity.read_steps(run), parity.read_steps(reference)
+    assert sorted(train) == sorted(reference_train) == list(range(1, 21))
+    assert len({step["bucket_len"] for step in train.values()}) >= 3
+    assert any(step["grad_norm"] > 1.0 for step in reference_train.values())  # clipping was active, and agreed too
+    assert sorted(val) == sorted(reference_val) == [0, 10, 20]
+    assert all(parity.difference(val[step], reference_val[step]) <= 1e-5 for step in val)
 
 
 @pytest.fixture(scope="module")

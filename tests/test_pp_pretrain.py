@@ -11,15 +11,6 @@ from helpers import EXTRA_FLAGS, TINY_RUN, assert_same_steps, check, copy_checkp
 PP_RUN = [*TINY_RUN, *EXTRA_FLAGS["pp_pretrain.py"]]  # the shared run's flags: 2 stages, 2 micro-batches, 1F1B
 
 
-def test_two_stages_train_as_ddp_on_one_process_across_bucket_shapes(tiny_run, ddp_one_process):
-    out, _ = tiny_run("pp_pretrain.py")
-    ddp = assert_same_steps(out, ddp_one_process, range(1, 11), 1e-4, 1e-4)
-    assert any(ddp[step]["grad_norm"] > 1.0 for step in range(1, 11))  # clipping, over both stages, active
-    train = read_metrics(out)[0]
-    assert len({train[step]["bucket_len"] for step in range(1, 11)}) >= 3  # a stage and schedule per shape, each used
-    assert read_metrics(out)[1] == pytest.approx(read_metrics(ddp_one_process)[1], abs=1e-4)  # evaluation too
-
-
 def test_under_bf16_gpipe_trains_as_ddp_does_the_head_and_loss_in_bf16_too(tmp_path):
     """--dtype bf16 on CPU: each stage's forward and the last stage's loss run inside autocast, as DDP's forward and
     loss do, so the two take the same bf16 steps (a head and loss left in fp32 made step 0's loss differ by 1.5e-4).
@@ -32,9 +23,10 @@ def test_under_bf16_gpipe_trains_as_ddp_does_the_head_and_loss_in_bf16_too(tmp_p
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         list(pool.map(run, ["ddp_pretrain.py", "pp_pretrain.py"]))
-    # The loss at 1e-4 catches a head left in fp32; grad norms differ by up to 1.5e-4 where the CPU has bf16 dot
-    # products (AVX512-BF16), whose kernels round by the batch's shape: 1e-3, still far below bf16's 7.8e-3.
-    assert_same_steps(tmp_path / "pp_pretrain.py", tmp_path / "ddp_pretrain.py", range(1, 5), 1e-4, 1e-3)
+    # The loss at 1e-5 relative (1e-4 at a loss of 10) catches a head left in fp32; grad norms differ by up to 1.5e-4
+    # where the CPU has bf16 dot products (AVX512-BF16), whose kernels round by the batch's shape: 1e-3, still far
+    # below bf16's 7.8e-3.
+    assert_same_steps(tmp_path / "pp_pretrain.py", tmp_path / "ddp_pretrain.py", range(1, 5), 1e-5, 1e-3)
     pp_val, ddp_val = read_metrics(tmp_path / "pp_pretrain.py")[1], read_metrics(tmp_path / "ddp_pretrain.py")[1]
     assert pp_val[0] == pytest.approx(ddp_val[0], abs=1e-6) and pp_val[4] == pytest.approx(ddp_val[4], abs=1e-3)
 

@@ -1,6 +1,7 @@
 """Does every strategy train exactly as DDP does? Each pretraining script and its variants, from one seed on one data
-order with the same global batch (tiny preset, fp32, CPU, gloo), against DDP step by step: one table, parity.json and
-parity.png (the loss curves overlaid; the differences on a log axis beside them).
+order with the same global batch (tiny preset, fp32, CPU, gloo, buckets 32, 64 and 128 shortest first), against DDP
+step by step: one table, parity.json and parity.png (the loss curves overlaid; the differences on a log axis beside
+them).
 
     python parity.py                                    # every row at world 2 and 4, the 3D script's at 8 too
     python parity.py --scripts my_fork.py --world 2     # did my change keep training exact? (any script taking the
@@ -8,8 +9,9 @@ parity.png (the loss curves overlaid; the differences on a log axis beside them)
 
 A row runs its script on `world` ranks with --grad-accum making up the ranks that read the same samples (tp, cp, pp),
 so each step takes world batches, as DDP's reference of that world does (DDP on 2 processes, --grad-accum world / 2,
-made once per world). Exit status 1 when a row's loss or gradient norm differs from DDP's by more than --tolerance
-(relative where DDP's value is above 1) at some step, or a run fails: one line per such row, naming it and the columns.
+made once per world); a row of world W runs --steps x 2 / W steps, the samples of --steps at world 2. Exit status 1
+when a row's loss or gradient norm differs from DDP's by more than --tolerance (relative where DDP's value is above 1)
+at some step, or a run fails: one line per such row, naming it and the columns.
 """
 import hashlib
 import json
@@ -38,7 +40,8 @@ ROWS = {
     "3d cp 2 x tp 2": ("fsdp2_3d_pretrain.py", ["--cp", "2", "--tp", "2"], 4, (4,)),
     "3d 2 x 2 x 2": ("fsdp2_3d_pretrain.py", ["--dp-replicate", "2", "--cp", "2", "--tp", "2"], 4, (8,)),
 }
-COLUMNS = ["max |loss - DDP|", "max |grad norm - DDP|", "val loss", "seconds"]
+COLUMNS = ["max |loss - DDP|", "max |grad norm - DDP|", "val loss", "buckets", "seconds"]
+BUCKETS = "32,64,128"  # few, so that the last one comes early: every world size trains each of them
 
 
 def parse_args(argv=None):
@@ -46,17 +49,21 @@ def parse_args(argv=None):
     parser.add_argument("--scripts", nargs="+", default=None, help="instead of the rows above: these scripts, each "
                         "as one row with no flags of its own (a fork of a pretraining script)")
     parser.add_argument("--world", type=common.COUNT, nargs="+", default=None, help="the world sizes to run (default: "
-                        "each row's own; with --scripts, 2), each even")
-    parser.add_argument("--steps", type=common.COUNT, default=24, help="steps per run: the buckets come shortest "
-                        "first, and on the built-in data the 24th step is in the last at every world size")
+                        "each row's own; with --scripts, 2), each even, or 1 with --scripts")
+    parser.add_argument("--steps", type=common.COUNT, default=16, help="steps at world 2 (world W: x 2 / W): the "
+                        "buckets come shortest first, and on the built-in data every world size reaches the last")
     parser.add_argument("--data", default="data/builtin", help="a prepared folder (`python prepare_data.py`)")
     parser.add_argument("--tolerance", type=common.number(float, 0), default=1e-5, help="the largest difference from "
                         "DDP a row may show in loss or grad norm (relative above 1)")
     parser.add_argument("--out-dir", default="runs/parity", help="the runs, parity.json and parity.png go here")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="every run's (bf16: see "
+                        "docs/parity.md for the tolerance it meets)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: the runs on this machine's "
+                        "GPUs, a rank each (NCCL)")
     args = parser.parse_args(argv)
-    if any(world % 2 for world in args.world or []):
+    if any(world % 2 and not (world == 1 and args.scripts) for world in args.world or []):
         raise common.UsageError(f"--world {' '.join(map(str, args.world))}: every world size must be even (DDP's "
-                                f"reference runs on 2 processes): change --world")
+                                f"reference runs on 2 processes), or 1 for --scripts: change --world")
     for script in args.scripts or []:
         if not Path(script).is_file():
             raise common.UsageError(f"--scripts {script}: no such file: pass a script's path")
@@ -79,20 +86,21 @@ def planned_rows(args):
     return rows
 
 
-def run(script, flags, nproc, out_dir, args):
+def run(script, flags, nproc, steps, out_dir, args):
     """SCRIPT on NPROC ranks under torchrun into OUT_DIR (kept when it already holds this command's finished run, the
     script's bytes the same): (seconds, exit status, the last line of its error output)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
-               "--model", "tiny", "--dtype", "fp32", "--data", args.data, "--max-steps", str(args.steps),
-               "--eval-every", str(args.steps), "--save-every", str(args.steps), "--bucket-order", "ascending",
-               "--val-fraction", "0.002", *flags, "--out-dir", str(out_dir)]
+               "--model", "tiny", "--dtype", args.dtype, "--data", args.data, "--max-steps", str(steps),
+               "--eval-every", str(steps), "--save-every", str(steps), "--buckets", BUCKETS, "--bucket-order",
+               "ascending", "--val-fraction", "0.002", *flags, "--out-dir", str(out_dir)]
     done, source = out_dir / "parity-command.json", hashlib.sha256((REPO / script).read_bytes()).hexdigest()
     if done.is_file() and json.loads(done.read_text()) == [source, *command[1:]]:
         return json.loads((out_dir / "parity-seconds.json").read_text()), 0, ""
     shutil.rmtree(out_dir, ignore_errors=True)  # a run that failed or ran another command
     start = time.perf_counter()
     python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # a fork elsewhere too
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": python_path}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path,
+           **({"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else {})}
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - start
     if result.returncode == 0:
@@ -118,7 +126,7 @@ def difference(value, reference):
 def compare(out_dir, reference_dir, steps=None):
     """{column: value} of a run against DDP's over STEPS (default: every step DDP logged): the largest loss and grad
     norm differences (relative where DDP's value is above 1; a step the run did not log, or logged in another bucket,
-    counts as infinite), and its last validation loss."""
+    counts as infinite), its last validation loss and the buckets its steps trained."""
     (train, val), (reference, _) = read_steps(out_dir), read_steps(reference_dir)
 
     def largest(metric):
@@ -127,7 +135,7 @@ def compare(out_dir, reference_dir, steps=None):
                    for s in steps or reference)
 
     return {"max |loss - DDP|": largest("loss"), "max |grad norm - DDP|": largest("grad_norm"),
-            "val loss": val[max(val)] if val else None}
+            "val loss": val[max(val)] if val else None, "buckets": len({row["bucket_len"] for row in train.values()})}
 
 
 def table(rows):
@@ -136,6 +144,7 @@ def table(rows):
     for row in rows:
         cells = [f"{row[column]:>22.2e}" if column.startswith("max") and row.get(column) is not None else
                  f"{row[column]:>22.4f}" if column == "val loss" and row.get(column) is not None else
+                 f"{row[column]:>22}" if column == "buckets" and row.get(column) is not None else
                  f"{row[column]:>22.0f}" if column == "seconds" else f"{'failed':>22}" for column in COLUMNS]
         lines.append(f"{row['row']:<18} {row['world']:>5} " + " ".join(cells))
     return "\n".join(lines)
@@ -178,23 +187,24 @@ def main():
     for name, script, flags, divisor, world in planned_rows(args):
         folder = f"{name.replace(' ', '-')}-world-{world}"
         accum = ["--grad-accum", str(divisor)] if divisor > 1 else []
-        seconds, status, error = run(script, [*flags, *accum], world, out_dir / folder, args)
-        row = {"row": name, "world": world, "script": script, "flags": [*flags, *accum], "folder": folder,
-               "seconds": seconds}
+        steps = math.ceil(args.steps * 2 / world)  # world batches a step: the samples of --steps at world 2
+        seconds, status, error = run(script, [*flags, *accum], world, steps, out_dir / folder, args)
+        row = {"row": name, "world": world, "script": script, "flags": [*flags, *accum], "steps": steps,
+               "folder": folder, "seconds": seconds}
         results.append(row)
         print(f"{name}, world {world}: {seconds:.0f} s", file=sys.stderr)
         if status:
             failures.append(f"{name} at world {world}: the run failed (exit {status}): {error}")
             continue
-        # DDP's reference takes the row's global batch (its config.json), on 2 processes: made once for each.
-        config = json.loads((out_dir / folder / "config.json").read_text())
+        # DDP's reference takes the row's global batch (its config.json), on 2 processes (world 1: 1): made once.
+        config, ranks = json.loads((out_dir / folder / "config.json").read_text()), min(2, world)
         batches = config["tokens_per_step"] // config["flags"]["tokens_per_batch"]
-        row["reference"] = f"ddp-{batches}-batches"
-        if batches % 2:
+        row["reference"] = f"ddp-{batches}-batches-{steps}-steps"
+        if batches % ranks:
             failures.append(f"{name} at world {world}: {batches} batches a step, which DDP on 2 processes cannot take")
             continue
-        _, status, error = run("ddp_pretrain.py", ["--grad-accum", str(batches // 2)], 2, out_dir / row["reference"],
-                               args)
+        _, status, error = run("ddp_pretrain.py", ["--grad-accum", str(batches // ranks)], ranks, steps,
+                               out_dir / row["reference"], args)
         if status:
             raise common.ReportedError(f"DDP's reference of {batches} batches a step failed (exit {status}): {error}")
         row.update(compare(out_dir / folder, out_dir / row["reference"]))
@@ -203,7 +213,8 @@ def main():
             failures.append(f"{name} at world {world}: {', '.join(over)}, over --tolerance {args.tolerance:g}")
     print(table(results))
     (out_dir / "parity.json").write_text(json.dumps({"tolerance": args.tolerance, "steps": args.steps,
-                                                     "rows": results}, indent=1))
+                                                     "dtype": args.dtype, "device": args.device, "rows": results},
+                                                    indent=1))
     draw(results, out_dir, out_dir / "parity.png")
     print(f"parity.json and parity.png in {out_dir}")
     for failure in failures:

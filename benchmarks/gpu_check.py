@@ -27,6 +27,8 @@ steps 32-34 of A, A-ddp and B are profiled (benchmarks/step_profile.py), after t
           peak allocated and reserved memory (ratio: estimate / allocated; goal: within 10%).
   E       tests/test_cuda.py: every training script's CUDA path (tiny preset, bf16, NCCL; one with --compile; the waits
           for the GPU per step, counted by torch.cuda.set_sync_debug_mode).
+  P       parity.py's single-GPU rows in bf16: FSDP1, FSDP2 and the 3D script (every degree 1) against DDP on the GPU,
+          tiny preset, 32 steps; how far bf16 takes them from DDP, against docs/parity.md's 1e-2.
   B-none  the bare loop without checkpointing, for N / B-none; C, --activation-checkpointing selective; A-eager and A2
           (bucket 1,024): if time is left.
 Goals in the table: MFU at least 40% where the peak reserved memory fits 24 GB; a script within 5% of its bare loop;
@@ -121,7 +123,7 @@ PHASE_STEPS = 6 if cli.dry_run else 15  # a phase of the bare loop: a third to c
 # Each part's time bound (seconds) and the time kept for it while earlier parts run: guessed from the last run's parts
 # on an H200 (a compiled qwen2-0.5b run takes 45-70 s); a part beyond its bound stops, the next ones still run.
 BOUNDS = {"A": 150, "B": 200, "A-ddp": 120, "B-ddp": 100, "N": 120, "C": 120, "M": 150, "E": 240}
-KEPT = {"A": 70, "B": 110, "A-ddp": 60, "B-ddp": 45, "N": 60, "C": 45, "M": 85, "E": 105, "B-none": 35}
+KEPT = {"A": 70, "B": 110, "A-ddp": 60, "B-ddp": 45, "N": 60, "C": 45, "M": 85, "E": 105, "P": 70, "B-none": 35}
 with torch.device("meta"):  # no memory: only the parameter count and shapes, for the FLOPs per token
     meta_model = modeling.build_model(MODEL)
 N_PARAMS, MODEL_CONFIG = modeling.count_parameters(meta_model), meta_model.config
@@ -402,7 +404,7 @@ def measure_part(name, configuration, measure, **kwargs):
 
 
 # ---------------------------------------------------------------------------------------------- the parts
-ORDER = ["A", "B", "A-ddp", "B-ddp", "N", "M", "E"]  # the parts after each keep their time (KEPT)
+ORDER = ["A", "B", "A-ddp", "B-ddp", "N", "M", "E", "P"]  # the parts after each keep their time (KEPT)
 compiled = "--compile" if COMPILE else "eager"
 measure_part("A", f"fsdp2_pretrain.py, bucket {BUCKET}, full checkpointing, {compiled}",
              pretrain("A", "fsdp2_pretrain.py", BUCKET, *COMPILE, profile=True))
@@ -439,7 +441,7 @@ def memory_goal(row):
     return f"estimate within 10%: {'met' if abs(row['ratio'] - 1) <= 0.1 else 'NOT met'}"
 
 
-run_part("M", "estimate_memory.py --check-on-gpu: FSDP2 and the SFT", memory_estimates, later=["E"],
+run_part("M", "estimate_memory.py --check-on-gpu: FSDP2 and the SFT", memory_estimates, later=["E", "P"],
          goal=memory_goal)
 
 
@@ -465,7 +467,36 @@ def cuda_tests(until):
     return [{"outcome": f"{outcome}: {summary}"}]
 
 
-run_part("E", "tests/test_cuda.py: every training script, tiny, bf16, 1 GPU, one with --compile", cuda_tests)
+run_part("E", "tests/test_cuda.py: every training script, tiny, bf16, 1 GPU, one with --compile", cuda_tests,
+         later=["P"])
+PARITY_DTYPE, PARITY_TOLERANCE = ("fp32", 1e-5) if cli.dry_run else ("bf16", 1e-2)
+
+
+def parity_rows(until):
+    """parity.py --world 1 on the GPU (the dry run: the CPU, fp32, 3 steps): a row per script against DDP."""
+    out_dir = work / "P"
+    try:
+        launch("P", [sys.executable, "parity.py", "--scripts", "fsdp1_pretrain.py", "fsdp2_pretrain.py",
+                     "fsdp2_3d_pretrain.py", "--world", 1, "--data", work / "text", "--dtype", PARITY_DTYPE,
+                     "--tolerance", PARITY_TOLERANCE, "--out-dir", out_dir,
+                     *(["--steps", 3] if cli.dry_run else ["--device", "cuda"])], until)
+    except PartFailed:  # exit 1 is a row beyond the tolerance: its figures are the answer
+        if not (out_dir / "parity.json").is_file():
+            raise
+    found = []
+    for row in json.loads((out_dir / "parity.json").read_text())["rows"]:
+        loss, grad_norm = row.get("max |loss - DDP|"), row.get("max |grad norm - DDP|")
+        if loss is None:
+            found.append({"configuration": f"parity.py {row['row']}, world 1", "outcome": "failed: the run failed"})
+            continue
+        met = "met" if max(loss, grad_norm) <= PARITY_TOLERANCE else "NOT met"
+        found.append({"configuration": f"parity.py {row['row']}, world 1, {PARITY_DTYPE}, {row['steps']} steps: "
+                                       f"max |loss - DDP| {loss:.1e}, max |grad norm - DDP| {grad_norm:.1e}",
+                      "goal": f"within {PARITY_TOLERANCE:g}: {met}"})
+    return found
+
+
+run_part("P", f"parity.py: the single-GPU rows against DDP, {PARITY_DTYPE}", parity_rows)
 if not cli.dry_run:  # the bare loop without checkpointing, selective checkpointing, eager and the next bucket down:
     # parts whose plumbing the dry run's B and N prove
     measure_part("B-none", f"bare loop as FSDP2, bucket {BUCKET}, no checkpointing, {compiled}",

@@ -2,7 +2,7 @@
 steps, nothing compiled but with torch.compile's eager backend), so that the command a lent GPU runs first cannot rot
 between draws. Every part runs and writes its figures: the pretraining parts on data that fills the bucket, the bare
 loops (FSDP2 and DDP) and a compile phase, the ratios and goals, the profiles of three parts, the memory estimate,
-and tests/test_cuda.py collected (and skipped: no CUDA here)."""
+tests/test_cuda.py collected (and skipped: no CUDA here), and parity.py's single-GPU rows."""
 import getpass
 import json
 import os
@@ -39,7 +39,7 @@ def test_dry_run_measures_every_part_and_writes_its_table():
                                                (folder / "stderr").read_text()))
     results = json.loads((out / "results.json").read_text())
     rows = results["parts"]
-    assert [row["part"] for row in rows] == ["A", "B", "B", "A-ddp", "B-ddp", "N", "M", "M", "E"]
+    assert [row["part"] for row in rows] == ["A", "B", "B", "A-ddp", "B-ddp", "N", "M", "M", "E", "P", "P", "P"]
     assert all(row["outcome"].startswith("ok") for row in rows), rows
     speed = [row for row in rows if row.get("tokens_per_s")]
     assert len(speed) == 6
@@ -61,6 +61,11 @@ def test_dry_run_measures_every_part_and_writes_its_table():
         "estimate_memory.py fsdp2, bucket 128", "estimate_memory.py sft, bucket 256"]
     assert all(row["ratio"] is None and " GB" in row["configuration"] for row in rows[6:8])
     assert rows[8]["outcome"] == "ok: 0 passed, 0 failed, 11 skipped of 11"  # every script's CUDA test, collected
+    # parity.py's single-GPU rows, here on the CPU in fp32: each script against DDP on one process.
+    assert [row["configuration"].split(":")[0] for row in rows[9:12]] == [
+        f"parity.py {script}, world 1, fp32, 6 steps" for script in ("fsdp1_pretrain.py", "fsdp2_pretrain.py",
+                                                                     "fsdp2_3d_pretrain.py")]
+    assert all(row["goal"] == "within 1e-05: met" for row in rows[9:12]), rows[9:12]
     # The profiles of A, B and A-ddp: three steps after the timed ones, each step's host time (no GPU to be busy).
     assert sorted(results["profiles"]) == ["A", "A-ddp", "B"]
     for profile in results["profiles"].values():
@@ -72,7 +77,8 @@ def test_dry_run_measures_every_part_and_writes_its_table():
     assert result.stdout.rstrip().endswith(table.rstrip().splitlines()[-1])  # the tables are printed last
     with tarfile.open(out / "logs.tar.gz") as logs:
         names = set(logs.getnames())
-    assert {"A.log", "B.log", "A-ddp.log", "B-ddp.log", "N.log", "M_fsdp2.log", "M_sft.log", "E_tests.log"} <= names
+    assert {"A.log", "B.log", "A-ddp.log", "B-ddp.log", "N.log", "M_fsdp2.log", "M_sft.log", "E_tests.log",
+            "P.log"} <= names
     assert {f"{part}/profile/{name}" for part in ("A", "B", "A-ddp") for name in ("trace.json.gz", "profile.json")} \
         <= names
     shutil.rmtree(folder)  # kept where the test fails, to be read

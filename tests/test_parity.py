@@ -75,7 +75,7 @@ def test_the_table_json_and_plot_hold_every_row(parity_of_two_forks):
     assert report["tolerance"] == 1e-5 and report["steps"] == 6 and set(rows) == {"my_fork.py", "broken_fork.py"}
     assert rows["my_fork.py"]["max |loss - DDP|"] <= 1e-5 and rows["my_fork.py"]["max |grad norm - DDP|"] <= 1e-5
     assert rows["broken_fork.py"]["max |grad norm - DDP|"] > 1e-3
-    assert rows["my_fork.py"]["reference"] == rows["broken_fork.py"]["reference"] == "ddp-2-batches"  # run once
+    assert rows["my_fork.py"]["reference"] == rows["broken_fork.py"]["reference"] == "ddp-2-batches-6-steps"  # run once
     lines = result.stdout.splitlines()
     assert lines[0].split()[:2] == ["row", "world"]
     fork_line = next(line for line in lines if line.startswith("my_fork.py"))

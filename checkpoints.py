@@ -85,7 +85,7 @@ def read_meta(checkpoint_dir, flag, model=None):
 def find_resume_checkpoint(args, checkpoint_root, script):
     """The checkpoint folder --resume asks for (None for a fresh run)."""
     existing = complete_checkpoints(checkpoint_root)
-    if args.resume is None:
+    if args.resume is None or (args.resume == "auto" and not existing):  # auto: one command starts and continues
         if existing:
             raise common.UsageError(f"{checkpoint_root} already holds checkpoints (newest {existing[-1].name}): pass "
                                     f"--resume to continue, or choose another --out-dir")
@@ -93,7 +93,7 @@ def find_resume_checkpoint(args, checkpoint_root, script):
     if args.resume == "latest" and not existing:
         raise common.UsageError(f"--resume: no complete checkpoint under {checkpoint_root}: drop --resume to start "
                                 f"fresh, or check --out-dir")
-    checkpoint_dir = existing[-1] if args.resume == "latest" else Path(args.resume)
+    checkpoint_dir = existing[-1] if args.resume in ("latest", "auto") else Path(args.resume)
     meta = read_meta(checkpoint_dir, "--resume", args.model)
     resumed_by = [f"{name}.py" for name in meta.get("resumed_by", [meta["script"]])]  # an export's: none
     if f"{script}.py" not in resumed_by:

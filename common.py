@@ -199,7 +199,7 @@ def get_parser(description, default_out_dir):
     add("--log-every", type=COUNT, default=1, help="write a metrics row every N steps")
     add("--out-dir", default=default_out_dir, help="metrics, TensorBoard events and checkpoints go here")
     add("--resume", nargs="?", const="latest", default=None, help="continue from --out-dir's newest checkpoint, or "
-        "the one given (default: a fresh run)")
+        "the one given (default: a fresh run); auto: the newest if there is one, else a fresh run (for restarts)")
     add("--seed", type=NON_NEGATIVE_INT, default=1337, help="seeds the model's init, the data order and any sampling")
     add("--dtype", choices=["bf16", "fp32"], default=None, help="compute dtype (default: bf16 on CUDA, fp32 on CPU)")
     add("--compile", action="store_true", help="torch.compile each decoder layer, one graph per bucket length")

@@ -115,6 +115,9 @@ BAD_INPUTS = {  # case: (script, flags, ranks, words the error line must hold: t
     "resume another strategy's checkpoint":
         ("fsdp2_pretrain.py", ["--model", "tiny", "--resume", "{tmp}/ddp/checkpoints/step_20"], 1,
          ["--resume", "ddp_pretrain.py"]),
+    "resume auto over another strategy's run":
+        ("fsdp2_pretrain.py", ["--model", "tiny", "--out-dir", "{tmp}/ddp", "--resume", "auto"], 1,
+         ["--resume", "ddp_pretrain.py, not fsdp2_pretrain.py"]),
     "resume another script's checkpoint of the same layout":
         ("fsdp2_sft.py", ["--model", "tiny", "--resume", "{tmp}/fsdp2/checkpoints/step_20", *SFT_INIT], 1,
          ["--resume", "fsdp2_pretrain.py, not fsdp2_sft.py", "resume it with fsdp2_pretrain.py or"]),

@@ -4,6 +4,7 @@ trains exactly the steps the uninterrupted run did.
 Each crashed run resumes the shared tiny run's step_10 (as a run restarted after a first crash would) and dies at step
 12 or in its save of step 20, so it trains one or ten steps before the kill, not twelve or twenty.
 A loss driven to inf/NaN stops every rank before the update, so no checkpoint ever holds it."""
+import argparse
 import fcntl
 import json
 import math
@@ -97,7 +98,7 @@ def test_resume_after_a_crash_trains_the_same_steps_as_the_uninterrupted_run(cas
     crashed_dir, _, _, _ = crashed(case)
     script, _, _ = CRASHES[case]
     out = shutil.copytree(crashed_dir, tmp_path / "run")
-    result = check(run_script(script, *flags_of(script, tiny_run), "--out-dir", out, "--resume", nproc=2))
+    result = check(run_script(script, *flags_of(script, tiny_run), "--out-dir", out, "--resume", "auto", nproc=2))
     assert "step_10 at step 10" in result.stdout
     assert not list((out / "checkpoints").glob(".*")), "leftovers of the crashed save were not cleaned up"
     assert [p.name for p in checkpoints.complete_checkpoints(out / "checkpoints")] == ["step_10", "step_20"]
@@ -113,6 +114,14 @@ def test_resume_after_a_crash_trains_the_same_steps_as_the_uninterrupted_run(cas
     if script == "fsdp2_pretrain.py":
         assert_same_weights_and_moments(out / "checkpoints" / "step_20",
                                         tiny_run(script)[0] / "checkpoints" / "step_20", tmp_path)
+
+
+def test_resume_auto_starts_fresh_in_an_empty_folder_and_continues_from_the_newest_checkpoint(tiny_run, tmp_path):
+    """One command line for the first launch and every later one (a requeued job): --resume auto."""
+    args = argparse.Namespace(resume="auto", model="tiny", max_steps=30)
+    assert checkpoints.find_resume_checkpoint(args, tmp_path / "checkpoints", "ddp_pretrain") is None
+    run = tiny_run("ddp_pretrain.py")[0] / "checkpoints"
+    assert checkpoints.find_resume_checkpoint(args, run, "ddp_pretrain") == run / "step_20"
 
 
 @pytest.mark.parametrize("script,nproc", [("ddp_pretrain.py", 1), ("fsdp2_pretrain.py", 2)])

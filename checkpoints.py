@@ -3,7 +3,10 @@ checked; an export read back. Each strategy's save and load is in its script; lo
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
+
+from torch.distributed.checkpoint.api import CheckpointException
 
 import common
 
@@ -11,6 +14,11 @@ import common
 class CheckpointError(common.ReportedError):
     """A checkpoint (or export) damaged since it was written, or whose tensors do not fit the model. Exit status 3."""
     exit_status = 3
+
+
+class SaveFailed(common.ReportedError):
+    """A checkpoint the filesystem would not take (no space left, a read-only folder). Exit status 8."""
+    exit_status = 8
 
 
 # ----------------------------------------------------------------------------------------------
@@ -49,6 +57,23 @@ def commit_checkpoint(partial_dir, args, script, step, world_size, data_order, r
         removing = old.with_name(f".removing_{old.name}")
         os.replace(old, removing)  # hidden first, so a crash mid-delete leaves no half-deleted step_<N>
         shutil.rmtree(removing)
+
+
+def report_failure(out_dir):
+    """Decorates save_checkpoint(step, ...): a save that fails is one line. Its partial folder is never committed, so
+    every complete checkpoint stays whole. torch.save says "unexpected pos" for a full disk: the free space says it."""
+    def decorate(save_checkpoint):
+        def save(step, *rest):
+            try:
+                return save_checkpoint(step, *rest)
+            except (OSError, RuntimeError, CheckpointException) as error:  # DCP's: every rank's failures, on every rank
+                cause = next(iter(error.failures.values()))[0] if isinstance(error, CheckpointException) else error
+                print(file=sys.__stderr__)  # end the progress bar's line
+                raise SaveFailed(f"--out-dir {out_dir}: saving step {step} failed ({type(cause).__name__}: {cause}; "
+                                 f"{shutil.disk_usage(out_dir).free / 1e9:.1f} GB free): every complete checkpoint is "
+                                 f"whole; free space or fix the folder, then run the same command with --resume auto")
+        return save
+    return decorate
 
 
 def remove_incomplete_checkpoints(checkpoint_root):

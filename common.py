@@ -355,7 +355,25 @@ def validation_documents(n_documents, val_fraction):
 
 
 # ----------------------------------------------------------------------------------------------
-# Process group.
+# Stop signals and the process group.
+
+STOPPED_BY_SIGNAL = 7  # the exit status of a run that a signal stopped after saving its step (docs/errors.md)
+
+
+def note_stop_signals():
+    """SIGTERM, SIGINT and SIGUSR1 are noted in the list returned, not obeyed: the loop saves its step and stops."""
+    noted = []
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(signum, lambda signum, frame: noted.append(signum))
+    return noted
+
+
+def exit_stopped(step, checkpoint_root):
+    """A signal stopped the run after its step was saved: rank 0 says so, and every rank exits with its status."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"stopped by a signal: step {step} is saved in {checkpoint_root}; --resume auto continues it", flush=True)
+    raise SystemExit(STOPPED_BY_SIGNAL)
+
 
 def init_process_group(device, fake=False):
     """NCCL on CUDA, gloo on CPU; a plain `python script.py` is a group of one on an in-process store. A collective that
@@ -369,5 +387,8 @@ def init_process_group(device, fake=False):
         world_size = int(os.environ.get("WORLD_SIZE", 1))
         return dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
     alone = {} if "MASTER_ADDR" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)  # not torchrun
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.environ["TORCHELASTIC_MAX_RESTARTS"] != "0":
+        raise UsageError("torchrun --max-restarts: a restarted group reads its dead group's addresses (pytorch#135712) "
+                         "unless torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (and --rdzv-backend c10d)")
     backend = dict(backend="nccl", device_id=device) if device.type == "cuda" else dict(backend="gloo")
     dist.init_process_group(**backend, timeout=datetime.timedelta(minutes=10), **alone)

@@ -51,6 +51,7 @@ args = common.parse_args(parser, PRESETS)  # the flags left unset: the --model p
 tokens_per_step = args.tokens_per_batch * args.grad_accum * world_size  # positions a step computes, padding too
 args = common.finalize_args(args, tokens_per_step)
 run_folder_lock = common.lock_folder(args.out_dir, "--out-dir") if rank == 0 else None  # one writer, until exit
+stop_signals = common.note_stop_signals()  # SIGTERM, SIGINT, SIGUSR1: this rank's, until the step's end
 device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
 dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
 fake = args.estimate_memory == "fake"  # estimate_memory.py's: fake tensors on a fake process group, shapes only
@@ -131,6 +132,7 @@ if args.estimate_memory:  # estimate_memory.py: this step, measured per bucket o
 
 
 # ---------------------------------------------------------------------------------------------- checkpoint
+@checkpoints.report_failure(args.out_dir)  # a write refused (a full disk) is one line: the step, the folder, the cause
 def save_checkpoint(step, data_position):
     """Rank 0 writes one file with everything, into a partial folder that is renamed once complete."""
     partial_dir = checkpoint_root / f".partial_step_{step}"
@@ -211,12 +213,12 @@ def log(row):
 
 peak_flops = metrics.device_peak_flops(device)
 schedule = make_schedule(train, data_position["epoch"], args.grad_accum, args.bucket_order)
-start_time, total_tokens, total_padded, run_peak_mem_gb = time.perf_counter(), 0, 0, 0.0
+start_time, total_tokens, total_padded, run_peak_mem_gb, stop_votes = time.perf_counter(), 0, 0, 0.0, 0
 validation = evaluate() if step == 0 else {}
 if step == 0:
     log({"step": 0, **validation})
 model.train()
-while step < args.max_steps:
+while step < args.max_steps and not stop_votes:
     if data_position["index"] >= len(schedule):  # epoch done: the next one reshuffles, as a function of (seed, epoch)
         data_position = {"epoch": data_position["epoch"] + 1, "index": 0}
         schedule = make_schedule(train, data_position["epoch"], args.grad_accum, args.bucket_order)
@@ -231,8 +233,9 @@ while step < args.max_steps:
     batches = [data.collate(train, step_samples[micro * world_size + rank::world_size * args.grad_accum], bucket_len,
                             batch_size, device) for micro in range(args.grad_accum)]
     loss_sum, grad_norm = train_step(batches, target_tokens)
-    dist.all_reduce(loss_sum)  # for the log and the check: the gradients were already exact
-    loss_sum, grad_norm = torch.stack([loss_sum, grad_norm]).tolist()  # the step's one wait for the device
+    step_sums = torch.stack([loss_sum, loss_sum.new_full((), len(stop_signals))])  # any rank's signal stops all ranks
+    dist.all_reduce(step_sums)  # for the log and the check (the gradients were already exact), and the stop
+    loss_sum, stop_votes, grad_norm = torch.cat([step_sums, grad_norm[None]]).tolist()  # the step's one wait for it
     loss = loss_sum / target_tokens
     metrics.stop_if_nonfinite(step + 1, loss, grad_norm)  # global values: all ranks stop alike, before updating
     lr = common.learning_rate(step, args)  # from the step and this run's flags: a resumed run follows a new --lr
@@ -258,7 +261,7 @@ while step < args.max_steps:
     if step % args.eval_every == 0 or step == args.max_steps:
         validation = evaluate()
         log({"step": step, **validation})
-    if step % args.save_every == 0 or step == args.max_steps:
+    if step % args.save_every == 0 or step == args.max_steps or stop_votes:
         save_checkpoint(step, data_position)
     if rank == 0:  # the bar redraws at most every 0.1 s (tqdm's mininterval), not at every step
         progress.set_postfix({"loss": f"{loss:.3f}", "tok/s": f"{tokens / step_time:,.0f}",
@@ -272,7 +275,7 @@ if rank == 0:
     writer.close()
     metrics_file.close()
     elapsed = time.perf_counter() - start_time
-    print(f"done: {step} steps, val loss {round(validation['val_loss'], 4)}, "
+    print(f"done: {step} steps, val loss {validation.get('val_loss', float('nan')):.4f}, "
           f"non-padding share {total_tokens / max(1, total_padded):.1%}, {total_tokens / elapsed:,.0f} tokens/s, "
           f"{elapsed:.0f}s; metrics and checkpoints in {args.out_dir}")
 param_elements, optimizer_elements = modeling.local_state_sizes(model, optimizer)
@@ -281,3 +284,5 @@ print(f"rank {rank} holds {param_elements:,} parameter and {optimizer_elements:,
 dist.barrier()  # without it, a rank that exits first can abort the others' gloo teardown
 dist.destroy_process_group()
 time.sleep(0.2)  # let gloo's threads free the last collectives' tensors: in Python's exit that aborts (pytorch#190489)
+if stop_votes:  # a signal stopped the run: its step is saved; a status of its own says the run did not end
+    common.exit_stopped(step, checkpoint_root)

@@ -32,6 +32,7 @@ import importlib.metadata
 import json
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -148,7 +149,8 @@ def run_stage(stage, args, extra):
     """Run one training stage under torchrun; returns its wall-clock seconds and its command. A failed stage stops the
     pipeline."""
     out = Path(args.out_dir) / stage
-    flags = ["--model", args.model, "--seed", str(args.seed), "--out-dir", str(out), *stage_flags(stage, args), *extra]
+    flags = ["--model", args.model, "--seed", str(args.seed), "--out-dir", str(out), "--resume", "auto",  # (a rerun)
+             *stage_flags(stage, args), *extra]
     if stage == "reference":  # the built-in SFT set, every solve row worked, prepared beside the runs
         flags += ["--data", str(prepare_reference(out.parent))]
     elif stage != "mid":
@@ -164,12 +166,18 @@ def run_stage(stage, args, extra):
 
 def run_command(stage, command, shown):
     """Run a stage's command in the checkout, as shown; returns its wall-clock seconds and the command shown. A failed
-    stage stops the pipeline."""
+    stage stops the pipeline; a stop signal is passed on to the stage, which saves its step and stops, and so do we."""
     print(f"\n== {stage}: {shown}", flush=True)
-    started = time.perf_counter()
-    status = subprocess.run(command, cwd=REPO).returncode
+    started, signalled = time.perf_counter(), []
+    process = subprocess.Popen(command, cwd=REPO, start_new_session=True)  # a terminal's Ctrl-C reaches it through us
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(signum, lambda signum, frame: signalled.append(process.send_signal(signum)))
+    status = process.wait()
+    rerun = f" with --stages {','.join(STAGES[STAGES.index(stage):])}" if stage in STAGES else ""
+    if signalled:  # the training stages run with --resume auto: the rerun continues this one from its saved step
+        print(f"stopped by a signal in the {stage} stage: rerun{rerun} to continue", flush=True)
+        raise SystemExit(common.STOPPED_BY_SIGNAL)
     if status != 0:
-        rerun = f" with --stages {','.join(STAGES[STAGES.index(stage):])}" if stage in STAGES else ""
         raise StageFailed(f"the {stage} stage failed with exit status {status} (docs/errors.md; its output is above): "
                           f"fix it, then rerun{rerun}")
     return time.perf_counter() - started, shown

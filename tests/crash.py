@@ -7,11 +7,16 @@ this process's Nth step's sampling, the other ranks inside their synced generati
 writing checkpoint step_N: DDP's rank 0 dies with half of checkpoint.pt written; under DCP, the rank dies as it starts
 the last dcp.save into the folder, the optimizer's for FSDP2). Just before dying, the rank writes the time to
 CRASH_STAMP, so a test can measure how long the rest of the job takes to notice. CRASH_TARGET=launcher: the rank
-SIGKILLs its parent, the torchrun launcher, instead of itself (the workers are then left to end on their own). The
-scripts are not modified: this file patches the library calls they make, then runs the script as __main__.
+SIGKILLs its parent, the torchrun launcher, instead of itself (the workers are then left to end on their own).
+CRASH_SIGNAL=SIGTERM (or another name) sends that signal instead of SIGKILL, and the rank trains on; as it then saves a
+checkpoint, it sends itself the same signal again, as a second signal during the save. Under `torchrun --max-restarts`
+only the first attempt (TORCHELASTIC_RESTART_COUNT 0) is crashed. CRASH_AT=fsize:BYTES limits the size of any file the
+rank writes (RLIMIT_FSIZE, as a full disk would: the write fails). The scripts are not modified: this file patches the
+library calls they make, then runs the script as __main__.
 """
 import io
 import os
+import resource
 import runpy
 import signal
 import sys
@@ -24,14 +29,31 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 REPO = Path(__file__).resolve().parent.parent
 kind, number = os.environ["CRASH_AT"].split(":")
-is_victim = int(os.environ.get("RANK", 0)) == int(os.environ.get("CRASH_RANK", 0))
+is_victim = (int(os.environ.get("RANK", 0)) == int(os.environ.get("CRASH_RANK", 0))
+             and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0")
 target_folder = f".partial_step_{number}"
+crash_signal = getattr(signal, os.environ.get("CRASH_SIGNAL", "SIGKILL"))
 
 
 def die():
     Path(os.environ["CRASH_STAMP"]).write_text(str(time.time()))
-    os.kill(os.getppid() if os.environ.get("CRASH_TARGET") == "launcher" else os.getpid(), signal.SIGKILL)
-    time.sleep(60)  # the launcher's death ends this process too (common.py), or the test sees that it did not
+    os.kill(os.getppid() if os.environ.get("CRASH_TARGET") == "launcher" else os.getpid(), crash_signal)
+    if crash_signal == signal.SIGKILL:
+        time.sleep(60)  # the launcher's death ends this process too (common.py), or the test sees that it did not
+
+
+if is_victim and crash_signal != signal.SIGKILL:  # a second signal as the checkpoint is written
+    real_save = torch.save
+
+    def save_signalled_again(obj, path, *args, **kwargs):
+        if isinstance(path, (str, os.PathLike)) and Path(path).parent.name.startswith(".partial_step_"):
+            os.kill(os.getpid(), crash_signal)
+        return real_save(obj, path, *args, **kwargs)
+
+    torch.save = save_signalled_again
+
+if is_victim and kind == "fsize":
+    resource.setrlimit(resource.RLIMIT_FSIZE, (int(number), int(number)))
 
 
 if is_victim and kind == "step":

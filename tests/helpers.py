@@ -72,16 +72,18 @@ def prepare_test_data():
             prepare_folder(source, kind, folder, workers=prepare_data.available_cores())
 
 
-def run_script(script, *flags, nproc=1, torchrun=False, timeout=600, env=None):
+def run_script(script, *flags, nproc=1, torchrun=False, timeout=600, env=None, restarts=0):
     """Run SCRIPT with FLAGS on NPROC CPU ranks (gloo); returns a CompletedProcess (text output). torchrun=True: under
-    `torchrun --standalone`, as a user runs it, for what torchrun itself does (a dead rank ends the job, its exit
-    report). Otherwise one rank is `python SCRIPT.py` (the scripts make it a process group of one), and more are
-    NPROC such processes given the variables torchrun gives its workers and stopped together when one fails, as
-    torchrun stops them; each forked by tests/zygote.py, its imports made (start_process)."""
+    `torchrun --standalone --max-restarts RESTARTS`, as a user runs it, for what torchrun itself does (a dead rank
+    ends the job, its exit report, its restarts). Otherwise one rank is `python SCRIPT.py` (the scripts make it a
+    process group of one), and more are NPROC such processes given the variables torchrun gives its workers and
+    stopped together when one fails, as torchrun stops them; each forked by tests/zygote.py, its imports made
+    (start_process)."""
     full_env = {**os.environ, **BASE_ENV, **(env or {})}
     command = [str(REPO / script), *map(str, flags)]
     if torchrun:
-        command = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *command]
+        command = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                   f"--max-restarts={restarts}", *command]
         return subprocess.run([PYTHON, *command], cwd=REPO, env=full_env, capture_output=True, text=True,
                               timeout=timeout)
     return run_ranks(command, nproc, full_env, timeout)
@@ -92,7 +94,7 @@ BASE_ENV = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERE
 # forked by the zygote, whose imports saw the suite's environment. PYTEST_CURRENT_TEST: pytest's, new in every test.
 RUN_TIME_VARIABLES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                       "TP_PROBE", "PP_PROBE", "CP_PROBE", "SYNC_PROBE", "ROLLOUTS", "CRASH_AT", "CRASH_RANK",
-                      "CRASH_STAMP", "CRASH_TARGET", "PYTEST_CURRENT_TEST"}
+                      "CRASH_STAMP", "CRASH_TARGET", "CRASH_SIGNAL", "PYTEST_CURRENT_TEST"}
 ZYGOTE = {}  # tests/zygote.py once started: its process, socket and environment
 ZYGOTE_LOCK = threading.Lock()
 

@@ -34,8 +34,9 @@ from helpers import (
 )
 
 CRASHES = {  # script, moment (tests/crash.py's CRASH_AT: counted from the resumed step 10), rank killed
-    # step 12: rank 0 SIGKILLs torchrun (CRASH_TARGET=launcher), whose workers then get SIGTERM (common.py)
-    "ddp launcher killed": ("ddp_pretrain.py", "step:2", 0),
+    # step 12: rank 0 sends SIGTERM to torchrun (CRASH_TARGET=launcher), which sends it to its workers: they save a step
+    "ddp launcher SIGTERM": ("ddp_pretrain.py", "step:2", 0),
+    "fsdp2 rank SIGTERM": ("fsdp2_pretrain.py", "step:2", 1),  # step 12: rank 1 alone is signalled; both stop with it
     "fsdp2 mid-save": ("fsdp2_pretrain.py", "save:20", 1),  # model/ written, optimizer/ not
     "pp mid-run": ("pp_pretrain.py", "step:2", 1),  # step 12; 2 stages: the last one dies, the first waits on its sends
     "grpo mid-rollout": ("fsdp2_grpo.py", "rollout:2", 1),  # step 12; rank 0 waits inside its synced generation
@@ -64,7 +65,8 @@ def crashed(tmp_path_factory, tiny_run):
             target = "launcher" if "launcher" in case else "rank"
             result = run_script("tests/crash.py", script, *flags_of(script, tiny_run), "--out-dir", out, "--resume",
                                 nproc=2, torchrun=True, env={"CRASH_AT": moment, "CRASH_RANK": str(victim),
-                                                             "CRASH_STAMP": str(stamp), "CRASH_TARGET": target})
+                                                             "CRASH_STAMP": str(stamp), "CRASH_TARGET": target,
+                                                             "CRASH_SIGNAL": "SIGTERM" if "SIG" in case else "SIGKILL"})
             assert stamp.exists(), f"no rank was killed\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
             runs[case] = (out, result, time.time() - float(stamp.read_text()), before)
         return runs[case]
@@ -72,7 +74,7 @@ def crashed(tmp_path_factory, tiny_run):
     return get
 
 
-@pytest.mark.parametrize("case", ["ddp launcher killed", "pp mid-run", "grpo mid-rollout"])
+@pytest.mark.parametrize("case", ["ddp launcher SIGTERM", "pp mid-run", "grpo mid-rollout"])
 def test_a_kill_ends_the_job_with_an_error_within_60_seconds_and_frees_its_run_folder(case, crashed):
     out, result, seconds_after_kill, _ = crashed(case)
     assert result.returncode != 0  # the launcher's own -9, where it was the one killed
@@ -82,12 +84,26 @@ def test_a_kill_ends_the_job_with_an_error_within_60_seconds_and_frees_its_run_f
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError while a worker lives on
 
 
+def stopped_at(result):
+    """The step a stop signal saved, from the line the run ends with (None: no signal stopped it)."""
+    found = re.search(r"stopped by a signal: step (\d+) is saved", result.stdout)
+    return int(found.group(1)) if found else None
+
+
 @pytest.mark.parametrize("case", CRASHES)
 def test_a_crash_leaves_the_newest_complete_checkpoint_as_it_was(case, crashed):
     out, result, _, before = crashed(case)
     _, moment, _ = CRASHES[case]
     assert result.returncode != 0 and "step_10 at step 10" in result.stdout  # it resumed, then died
-    assert [p.name for p in checkpoints.complete_checkpoints(out / "checkpoints")] == ["step_10"]
+    # A signal: the step whose reduction follows it is saved whole (the signal comes in an optimizer step: that of step
+    # 12, or of 11 where DCP's load made a step of its own), though a second one came during the save; a kill: none.
+    saved = [f"step_{stopped_at(result)}"] if "SIG" in case else []
+    assert saved in ([], ["step_12"], ["step_13"])
+    if "rank SIG" in case:  # torchrun was not signalled: it reports its workers' status, the stop's (the rank that exits
+        assert f"exitcode  : {common.STOPPED_BY_SIGNAL} " in result.stderr, result.stderr[-3000:]  # first, at least)
+    assert [p.name for p in checkpoints.complete_checkpoints(out / "checkpoints")] == ["step_10", *saved]
+    for folder in saved:
+        checkpoints.read_meta(out / "checkpoints" / folder, "--resume")  # every file of the size it was written
     assert tree_hashes(out / "checkpoints" / "step_10") == before  # every file byte for byte
     if moment.startswith("save"):  # it really died mid-save: the half-written folder is there, never committed
         assert (out / "checkpoints" / ".partial_step_20").is_dir()
@@ -98,10 +114,11 @@ def test_resume_after_a_crash_trains_the_same_steps_as_the_uninterrupted_run(cas
     crashed_dir, _, _, _ = crashed(case)
     script, _, _ = CRASHES[case]
     out = shutil.copytree(crashed_dir, tmp_path / "run")
+    resumed_at = stopped_at(crashed(case)[1]) or 10
     result = check(run_script(script, *flags_of(script, tiny_run), "--out-dir", out, "--resume", "auto", nproc=2))
-    assert "step_10 at step 10" in result.stdout
+    assert f"step_{resumed_at} at step {resumed_at}" in result.stdout
     assert not list((out / "checkpoints").glob(".*")), "leftovers of the crashed save were not cleaned up"
-    assert [p.name for p in checkpoints.complete_checkpoints(out / "checkpoints")] == ["step_10", "step_20"]
+    assert [p.name for p in checkpoints.complete_checkpoints(out / "checkpoints")] == [f"step_{resumed_at}", "step_20"]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [row["step"] for row in rows if "loss" in row]
     assert steps == list(range(11, 21))  # the crashed run's rows after step 10 were dropped, each step logged once
@@ -114,6 +131,54 @@ def test_resume_after_a_crash_trains_the_same_steps_as_the_uninterrupted_run(cas
     if script == "fsdp2_pretrain.py":
         assert_same_weights_and_moments(out / "checkpoints" / "step_20",
                                         tiny_run(script)[0] / "checkpoints" / "step_20", tmp_path)
+
+
+def test_torchrun_restarts_the_group_after_a_rank_dies_and_the_run_continues_as_if_uninterrupted(tiny_run, tmp_path):
+    """`torchrun --max-restarts 1 ... --resume auto`, as docs/multinode.md runs it: rank 1 SIGKILLed in step 12 of the
+    first attempt; the agent restarts both ranks, which continue from step_10 and end with the uninterrupted losses."""
+    out = copy_checkpoint(tiny_run("ddp_pretrain.py")[0], 10, tmp_path / "run")
+    stamp = tmp_path / "killed_at"
+    result = check(run_script("tests/crash.py", "ddp_pretrain.py", *TINY_RUN, "--out-dir", out, "--resume", "auto",
+                              nproc=2, torchrun=True, restarts=1,
+                              env={"CRASH_AT": "step:2", "CRASH_RANK": "1", "CRASH_STAMP": str(stamp),
+                                   "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}))  # a store per attempt (common.py)
+    assert stamp.exists() and result.stdout.count("step_10 at step 10") == 2  # both attempts began at step 10
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows if "loss" in row] == list(range(11, 21))  # each step once
+    uninterrupted, _ = read_metrics(tiny_run("ddp_pretrain.py")[0])
+    restarted, _ = read_metrics(out)
+    for step in range(11, 21):
+        assert restarted[step]["loss"] == pytest.approx(uninterrupted[step]["loss"], abs=1e-6)
+
+
+def test_max_restarts_over_torchruns_shared_store_is_refused_with_the_variable_that_fixes_it(monkeypatch):
+    """Without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, a restarted group meets in the store its dead group used, and can
+    read the dead ranks' addresses (pytorch#135712): refused before the process group, in one line."""
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # what torchrun gives its workers then
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    with pytest.raises(common.UsageError, match="--max-restarts.*TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        common.init_process_group(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("script,victim", [("ddp_pretrain.py", 0), ("fsdp2_pretrain.py", 1)])  # torch.save; DCP
+def test_a_save_the_filesystem_refuses_is_one_line_and_the_newest_checkpoint_stays_whole(script, victim, tiny_run,
+                                                                                          tmp_path):
+    """A rank may write no file over 4 MB (RLIMIT_FSIZE: its writes fail as on a full disk) from step_10 on: the save of
+    step 20 fails in one line, step_10 stays as it was, and --resume auto continues from it."""
+    out = copy_checkpoint(tiny_run(script)[0], 10, tmp_path / "run")
+    before = tree_hashes(out / "checkpoints" / "step_10")
+    result = run_script("tests/crash.py", script, *TINY_RUN, "--out-dir", out, "--resume", "auto", nproc=2,
+                        env={"CRASH_AT": "fsize:4000000", "CRASH_RANK": str(victim)})
+    assert result.returncode == checkpoints.SaveFailed.exit_status == 8
+    assert not traceback_through_our_code(result.stderr)
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(error_lines) == 1 and f"--out-dir {out}: saving step 20 failed" in error_lines[0], result.stderr
+    assert [p.name for p in checkpoints.complete_checkpoints(out / "checkpoints")] == ["step_10"]
+    assert tree_hashes(out / "checkpoints" / "step_10") == before
+    if script == "ddp_pretrain.py":  # then, with room again, the same command continues from step_10
+        assert "step_10 at step 10" in check(run_script(script, *TINY_RUN, "--out-dir", out, "--resume", "auto",
+                                                        nproc=2)).stdout
+        assert [p.name for p in checkpoints.complete_checkpoints(out / "checkpoints")] == ["step_10", "step_20"]
 
 
 def test_resume_auto_starts_fresh_in_an_empty_folder_and_continues_from_the_newest_checkpoint(tiny_run, tmp_path):

@@ -78,9 +78,10 @@ def _report_error(exc_type, exc, tb, _default_hook=sys.excepthook):
 
 sys.excepthook = _report_error
 # torchrun starts its workers in a session of their own: a launcher killed outright (SIGKILL, as by an out-of-memory
-# killer) would leave them training on, holding the run folder. On Linux each worker is ended with its launcher.
+# killer) would leave them training on, holding the run folder. On Linux each worker is ended with its launcher: by
+# SIGKILL, as a SIGTERM is only noted (note_stop_signals) and a worker that hangs would outlive its launcher.
 if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform == "linux":
-    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: SIGTERM when the parent (torchrun) dies
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: SIGKILL when the parent (torchrun) dies
 # Each bucket allocates activations of another shape: expandable segments let the CUDA allocator grow one mapping
 # instead of caching blocks of every size, so memory does not fragment as buckets alternate. A user's setting wins.
 if "PYTORCH_ALLOC_CONF" not in os.environ and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
@@ -361,10 +362,16 @@ STOPPED_BY_SIGNAL = 7  # the exit status of a run that a signal stopped after sa
 
 
 def note_stop_signals():
-    """SIGTERM, SIGINT and SIGUSR1 are noted in the list returned, not obeyed: the loop saves its step and stops."""
+    """SIGTERM, SIGINT and SIGUSR1 are noted in the list returned, not obeyed: the loop saves its step and stops. A
+    second Ctrl-C is obeyed (KeyboardInterrupt: a run that hangs); a repeated SIGTERM, as torchrun forwards, is not."""
     noted = []
+
+    def note(signum, frame):
+        noted.append(signum)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
-        signal.signal(signum, lambda signum, frame: noted.append(signum))
+        signal.signal(signum, note)
     return noted
 
 

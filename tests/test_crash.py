@@ -66,10 +66,11 @@ def crashed(tmp_path_factory, tiny_run):
             before = tree_hashes(out / "checkpoints" / "step_10")
             stamp = out.parent / "killed_at"
             target = "launcher" if "launcher" in case else "rank"
+            crash_signal = case.split()[-1] if "SIG" in case else "SIGKILL"  # a case named after a signal sends it
             result = run_script("tests/crash.py", script, *flags_of(script, tiny_run), "--out-dir", out, "--resume",
                                 nproc=2, torchrun=True, env={"CRASH_AT": moment, "CRASH_RANK": str(victim),
                                                              "CRASH_STAMP": str(stamp), "CRASH_TARGET": target,
-                                                             "CRASH_SIGNAL": case.split()[-1] if "SIG" in case else "SIGKILL"})
+                                                             "CRASH_SIGNAL": crash_signal})
             assert stamp.exists(), f"no rank was killed\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
             runs[case] = (out, result, time.time() - float(stamp.read_text()), before)
         return runs[case]
@@ -102,8 +103,8 @@ def test_a_crash_leaves_the_newest_complete_checkpoint_as_it_was(case, crashed):
     # 12, or of 11 where DCP's load made a step of its own), though a second one came during the save; a kill: none.
     saved = [f"step_{stopped_at(result)}"] if "SIGTERM" in case else []
     assert saved in ([], ["step_12"], ["step_13"])
-    if "rank SIG" in case:  # torchrun was not signalled: it reports its workers' status, the stop's (the rank that exits
-        assert f"exitcode  : {common.STOPPED_BY_SIGNAL} " in result.stderr, result.stderr[-3000:]  # first, at least)
+    if "rank SIG" in case:  # torchrun was not signalled: it reports its workers' status (the first to exit, at least)
+        assert f"exitcode  : {common.STOPPED_BY_SIGNAL} " in result.stderr, result.stderr[-3000:]
     assert [p.name for p in checkpoints.complete_checkpoints(out / "checkpoints")] == ["step_10", *saved]
     for folder in saved:
         checkpoints.read_meta(out / "checkpoints" / folder, "--resume")  # every file of the size it was written

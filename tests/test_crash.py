@@ -180,7 +180,8 @@ def test_a_save_the_filesystem_refuses_is_one_line_and_the_newest_checkpoint_sta
     assert [p.name for p in checkpoints.complete_checkpoints(out / "checkpoints")] == ["step_10"]
     assert tree_hashes(out / "checkpoints" / "step_10") == before
     again = argparse.Namespace(resume="auto", model="tiny", max_steps=20)  # the same command, once there is room
-    assert checkpoints.find_resume_checkpoint(again, out / "checkpoints", script[:-3]) == out / "checkpoints" / "step_10"
+    found = checkpoints.find_resume_checkpoint(again, out / "checkpoints", script.removesuffix(".py"))
+    assert found == out / "checkpoints" / "step_10"
 
 
 def test_resume_auto_starts_fresh_in_an_empty_folder_and_continues_from_the_newest_checkpoint(tiny_run, tmp_path):

@@ -305,5 +305,5 @@ print(f"rank {rank} holds {param_elements:,} parameter and {optimizer_elements:,
 dist.barrier()  # without it, a rank that exits first can abort the others' gloo teardown
 dist.destroy_process_group()
 time.sleep(0.2)  # let gloo's threads free the last collectives' tensors: in Python's exit that aborts (pytorch#190489)
-if stop_votes:  # a signal stopped the run: its step is saved; a status of its own says the run did not end
+if stop_votes and step < args.max_steps:  # a signal stopped the run, its step saved: a status of its own says so
     common.exit_stopped(step, checkpoint_root)

@@ -66,6 +66,7 @@ def _report_error(exc_type, exc, tb, _default_hook=sys.excepthook):
     if not issubclass(exc_type, ReportedError):
         return _default_hook(exc_type, exc, tb)
     try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun stops this rank with it, once rank 0 has reported
         sys.stdout.flush()
         report_once(f"error: {exc}", sys.__stderr__)
         if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's report ends with this file's line, where one looks

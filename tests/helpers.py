@@ -325,6 +325,7 @@ def run_until_the_first_collective(script, flags, world_size, monkeypatch):
     for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size)}.items():
         monkeypatch.setenv(name, value)
     stderr = io.StringIO()
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
     try:
         with contextlib.redirect_stderr(stderr):
             runpy.run_path(str(REPO / script), run_name="__main__")
@@ -335,4 +336,6 @@ def run_until_the_first_collective(script, flags, world_size, monkeypatch):
     finally:
         for lock in locks:  # the run folder's lock, released as the script's process would release it at exit
             lock.close()
+        for signum, handler in handlers.items():  # the script noted stop signals (common.note_stop_signals): pytest's
+            signal.signal(signum, handler)
     raise AssertionError(f"{script} {flags}: no error before its first collective")

@@ -1,5 +1,6 @@
-"""Checkpoint bookkeeping shared by every script: find, commit, verify and prune; --resume and --init-from, found and
-checked; an export read back. Each strategy's save and load is in its script; loading.py reads any, for the tools."""
+"""Checkpoint bookkeeping shared by every script: find, commit, verify and prune; a failed save, reported; --resume and
+--init-from, found and checked; an export read back. Each strategy's save and load is in its script; loading.py reads
+any, for the tools."""
 import json
 import os
 import shutil

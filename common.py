@@ -1,7 +1,7 @@
 """What every script shares and a reader need not see twice: errors, constants, presets and the command line, the
-tokenizer and chat markers, the LR schedule, the validation split and the process group. Beside it, one subject each:
-modeling.py, metrics.py, data.py, checkpoints.py and grading.py. What a strategy changes is written out in the scripts,
-so that `diff` between them is the lesson."""
+tokenizer and chat markers, the LR schedule, the validation split, stop signals and the process group. Beside it, one
+subject each: modeling.py, metrics.py, data.py, checkpoints.py and grading.py. What a strategy changes is written out
+in the scripts, so that `diff` between them is the lesson."""
 import argparse
 import ctypes
 import functools

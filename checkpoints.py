@@ -69,10 +69,11 @@ def report_failure(out_dir):
                 return save_checkpoint(step, *rest)
             except (OSError, RuntimeError, CheckpointException) as error:  # DCP's: every rank's failures, on every rank
                 cause = next(iter(error.failures.values()))[0] if isinstance(error, CheckpointException) else error
+                free = shutil.disk_usage(out_dir).free / 1e9 if os.path.isdir(out_dir) else 0.0  # (a folder removed)
                 print(file=sys.__stderr__)  # end the progress bar's line
                 raise SaveFailed(f"--out-dir {out_dir}: saving step {step} failed ({type(cause).__name__}: {cause}; "
-                                 f"{shutil.disk_usage(out_dir).free / 1e9:.1f} GB free): every complete checkpoint is "
-                                 f"whole; free space or fix the folder, then run the same command with --resume auto")
+                                 f"{free:.1f} GB free): every complete checkpoint is whole; free space or fix the "
+                                 f"folder, then run the same command with --resume auto")
         return save
     return decorate
 

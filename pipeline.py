@@ -170,9 +170,11 @@ def run_command(stage, command, shown):
     print(f"\n== {stage}: {shown}", flush=True)
     started, signalled = time.perf_counter(), []
     process = subprocess.Popen(command, cwd=REPO, start_new_session=True)  # a terminal's Ctrl-C reaches it through us
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
-        signal.signal(signum, lambda signum, frame: signalled.append(process.send_signal(signum)))
+    handlers = {signum: signal.signal(signum, lambda signum, frame: signalled.append(process.send_signal(signum)))
+                for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
     status = process.wait()
+    for signum, handler in handlers.items():  # ours again between stages, as evaluation and the report run here
+        signal.signal(signum, handler)
     rerun = f" with --stages {','.join(STAGES[STAGES.index(stage):])}" if stage in STAGES else ""
     if signalled:  # the training stages run with --resume auto: the rerun continues this one from its saved step
         print(f"stopped by a signal in the {stage} stage: rerun{rerun} to continue", flush=True)

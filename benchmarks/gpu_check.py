@@ -8,29 +8,35 @@ then one call of the device tool, and give the machine back at once:
 
     run(command="python3 benchmarks/gpu_check.py", carry=[".gpu"], timeout_s=600)
 
+With less device time left (the machine's start takes about 40 s of it), fewer parts and a shorter --budget:
+
+    run(command="python3 benchmarks/gpu_check.py --parts A,B --budget 230", carry=[".gpu"], timeout_s=250)
+
 On a CPU, the same sequence end to end with the tiny preset, fp32, gloo and a few steps (the suite runs it):
 
     python benchmarks/gpu_check.py --dry-run --out /tmp/gpu_check
 
-The parts, in order of value, each under a time bound of its own that keeps time for the parts after it, so that a
-slow or failing part loses nothing else; each part's rows are written to --out as soon as it ends. The pretraining
-runs are qwen2-0.5b on 1 GPU, bf16, --compile, 16,384 tokens a step, one bucket of 2,048; steps 11-30 are timed, and
-steps 32-34 of A, A-ddp and B are profiled (benchmarks/step_profile.py), after the timing so it stays out of it.
+The parts, in order of value, each under a time bound of its own, so that a slow or failing part loses nothing else:
+a part keeps time for the parts after it, but never less than its own (KEPT), so the budget cuts the last parts first.
+Each part's rows are written to --out as soon as it ends. The pretraining runs are qwen2-0.5b on 1 GPU, bf16,
+--compile, 16,384 tokens a step, one bucket of 2,048; steps 11-30 are timed, and steps 32-34 of A, A-ddp and B are
+profiled (benchmarks/step_profile.py), after the timing so it stays out of it.
   A       fsdp2_pretrain.py, full activation checkpointing.
   B       the bare loop (benchmarks/baselines.py bare: the same model class, batches, wrapping, bf16 and checkpointing;
           no metrics, no checkpoint, one wait for the GPU per step) as FSDP2: A / B is what the script's loop costs.
           Then the same with the optimizer step compiled too: its ratio to B.
+  E       tests/test_cuda.py: every training script's CUDA path (tiny preset, bf16, NCCL; one with --compile; the waits
+          for the GPU per step, counted by torch.cuda.set_sync_debug_mode).
+  P       parity.py's single-GPU rows in bf16: FSDP1, FSDP2 and the 3D script (every degree 1) against DDP on the GPU,
+          tiny preset, 32 steps; how far bf16 takes them from DDP, against docs/parity.md's 1e-2.
   A-ddp   ddp_pretrain.py at A's setting, and B-ddp, the bare loop as DDP: the loop's cost under DDP, and B / B-ddp,
           what FSDP2's own machinery costs on one rank.
   N       fsdp2_pretrain.py --activation-checkpointing none: no recompute (the goal row where it fits 24 GB).
   M       estimate_memory.py --check-on-gpu: its estimate for FSDP2 at 2,048 and the SFT at 8,192 beside one real step's
           peak allocated and reserved memory (ratio: estimate / allocated; goal: within 10%).
-  E       tests/test_cuda.py: every training script's CUDA path (tiny preset, bf16, NCCL; one with --compile; the waits
-          for the GPU per step, counted by torch.cuda.set_sync_debug_mode).
-  P       parity.py's single-GPU rows in bf16: FSDP1, FSDP2 and the 3D script (every degree 1) against DDP on the GPU,
-          tiny preset, 32 steps; how far bf16 takes them from DDP, against docs/parity.md's 1e-2.
   B-none  the bare loop without checkpointing, for N / B-none; C, --activation-checkpointing selective; A-eager and A2
           (bucket 1,024): if time is left.
+A compiled qwen2-0.5b run takes 75-90 s on an H100, so the 550 s hold A, B, E and P; --parts picks the others.
 Goals in the table: MFU at least 40% where the peak reserved memory fits 24 GB; a script within 5% of its bare loop;
 step times within 10% of each other ((slowest - fastest) / median of the timed steps); the estimate within 10%.
 The text fills each bucket: CPython's help topics and docstrings (the built-in corpus), shuffled and joined into
@@ -62,7 +68,17 @@ parser.add_argument("--dry-run", action="store_true", help="CPU: the tiny preset
 parser.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu_check", help="results go here")
 parser.add_argument("--budget", type=float, default=None,
                     help="seconds for the whole check, install included (default: 550; dry run: 900)")
+parser.add_argument("--parts", default=None,
+                    help="only these parts, comma-separated (default: all; e.g. A,B where little GPU time is left)")
 cli = parser.parse_args()
+# In order of value: our loop against its bare loop, every script's CUDA path, bf16 parity, then where the time goes;
+# the parts after each in ORDER keep their time (KEPT); the last four run only if time is left.
+ORDER = ["A", "B", "E", "P", "A-ddp", "B-ddp", "N", "M"]
+ALL_PARTS = ORDER + ["B-none", "C", "A-eager", "A2"]
+PARTS = ALL_PARTS if cli.parts is None else cli.parts.split(",")
+if set(PARTS) - set(ALL_PARTS):
+    sys.exit(f"error: --parts names no part {', '.join(sorted(set(PARTS) - set(ALL_PARTS)))}: choose from "
+             f"{','.join(ALL_PARTS)}")
 started, clock_start = datetime.datetime.now(), time.monotonic()
 deadline = clock_start + (cli.budget or (900 if cli.dry_run else 550))
 # work: the runs, their data and logs; in memory where it has room: a qwen2-0.5b checkpoint is 4.8 GB written per run
@@ -120,10 +136,11 @@ else:
 # After the timed steps: the profiler's warm-up step, the 3 it records, and the run's last (evaluation, checkpoint).
 TAIL, PROFILED = 5, f"{STEPS + 2}-{STEPS + 4}"
 PHASE_STEPS = 6 if cli.dry_run else 15  # a phase of the bare loop: a third to compile and settle, the rest timed
-# Each part's time bound (seconds) and the time kept for it while earlier parts run: guessed from the last run's parts
-# on an H200 (a compiled qwen2-0.5b run takes 45-70 s); a part beyond its bound stops, the next ones still run.
+# Each part's time bound (seconds) and the time kept for it while earlier parts run, from the H100 run of 2026-11-27
+# (a compiled qwen2-0.5b run takes 75-90 s); a part beyond its bound stops, the next ones still run.
 BOUNDS = {"A": 150, "B": 200, "A-ddp": 120, "B-ddp": 100, "N": 120, "C": 120, "M": 150, "E": 240}
-KEPT = {"A": 70, "B": 110, "A-ddp": 60, "B-ddp": 45, "N": 60, "C": 45, "M": 85, "E": 105, "P": 70, "B-none": 35}
+KEPT = {"A": 90, "B": 110, "A-ddp": 90, "B-ddp": 75, "N": 90, "C": 90, "M": 150, "E": 120, "P": 150, "B-none": 75,
+        "A-eager": 90, "A2": 90}
 with torch.device("meta"):  # no memory: only the parameter count and shapes, for the FLOPs per token
     meta_model = modeling.build_model(MODEL)
 N_PARAMS, MODEL_CONFIG = modeling.count_parameters(meta_model), meta_model.config
@@ -251,13 +268,17 @@ def stop(signal_number, frame):  # the device tool's timeout: leave no run behin
 signal.signal(signal.SIGTERM, stop)
 
 
-def run_part(part, configuration, measure, later=(), goal=None, needs=20):
-    """Measure one part within its bound, keeping KEPT seconds for each part named in LATER, or skip it where fewer
-    than NEEDS seconds are left; append its row(s) to the results and write them."""
-    left = deadline - time.monotonic() - sum(KEPT[name] for name in later)
-    bound = min(BOUNDS.get(part, left), left)
+def run_part(part, configuration, measure, goal=None):
+    """Measure one part within its bound, keeping KEPT seconds for each part after it in ORDER, or skip it where fewer
+    than its own KEPT seconds are left; append its row(s) to the results and write them."""
+    left, later = deadline - time.monotonic(), ORDER[ORDER.index(part) + 1:] if part in ORDER else []
+    # An earlier part is worth more: it keeps its own time even where the later parts' time then runs short.
+    kept_for_later = sum(KEPT[name] for name in later if name in PARTS)
+    bound = min(BOUNDS.get(part, left), max(left - kept_for_later, KEPT[part]), left)
     rows, start = [{"part": part, "configuration": configuration}], time.monotonic()
-    if bound < needs:
+    if part not in PARTS:
+        rows[0]["outcome"] = "skipped: not in --parts"
+    elif left < KEPT[part]:
         rows[0]["outcome"] = f"skipped: {max(0, left):.0f} s left in --budget"
     else:
         print(f"part {part}: {configuration}, within {bound:.0f} s", flush=True)
@@ -390,8 +411,7 @@ def goals(row):
 
 def measure_part(name, configuration, measure, **kwargs):
     """run_part, keeping the time of the parts after NAME in ORDER; then every ratio and goal the new row completes."""
-    later = ORDER[ORDER.index(name) + 1:] if name in ORDER else []
-    rows_of[name] = run_part(name, configuration, measure, later=later, **kwargs)[0]
+    rows_of[name] = run_part(name, configuration, measure, **kwargs)[0]
     for row in results["parts"]:
         if row["outcome"] != "ok" or not row.get("tokens_per_s"):
             continue
@@ -401,20 +421,6 @@ def measure_part(name, configuration, measure, **kwargs):
                                      and rows_of.get(other, {}).get("outcome") == "ok") or None
         row["goal"] = goals(row)
     write_results()
-
-
-# ---------------------------------------------------------------------------------------------- the parts
-ORDER = ["A", "B", "A-ddp", "B-ddp", "N", "M", "E", "P"]  # the parts after each keep their time (KEPT)
-compiled = "--compile" if COMPILE else "eager"
-measure_part("A", f"fsdp2_pretrain.py, bucket {BUCKET}, full checkpointing, {compiled}",
-             pretrain("A", "fsdp2_pretrain.py", BUCKET, *COMPILE, profile=True))
-measure_part("B", f"bare loop as FSDP2, bucket {BUCKET}, full checkpointing, {compiled}",
-             bare_loop("B", "fsdp2", "--compile-more", "optimizer", profile=True))
-measure_part("A-ddp", f"ddp_pretrain.py, bucket {BUCKET}, full checkpointing, {compiled}",
-             pretrain("A-ddp", "ddp_pretrain.py", BUCKET, *COMPILE, profile=True))
-measure_part("B-ddp", f"bare loop as DDP, bucket {BUCKET}, full checkpointing, {compiled}", bare_loop("B-ddp", "ddp"))
-measure_part("N", f"fsdp2_pretrain.py, bucket {BUCKET}, no checkpointing, {compiled}",
-             pretrain("N", "fsdp2_pretrain.py", BUCKET, "--activation-checkpointing", "none", *COMPILE))
 
 
 def memory_estimates(until):
@@ -441,10 +447,6 @@ def memory_goal(row):
     return f"estimate within 10%: {'met' if abs(row['ratio'] - 1) <= 0.1 else 'NOT met'}"
 
 
-run_part("M", "estimate_memory.py --check-on-gpu: FSDP2 and the SFT", memory_estimates, later=["E", "P"],
-         goal=memory_goal)
-
-
 def cuda_tests(until):
     report = work / "E_tests.xml"
     try:
@@ -467,8 +469,6 @@ def cuda_tests(until):
     return [{"outcome": f"{outcome}: {summary}"}]
 
 
-run_part("E", "tests/test_cuda.py: every training script, tiny, bf16, 1 GPU, one with --compile", cuda_tests,
-         later=["P"])
 PARITY_DTYPE, PARITY_TOLERANCE = ("fp32", 1e-5) if cli.dry_run else ("bf16", 1e-2)
 
 
@@ -496,16 +496,28 @@ def parity_rows(until):
     return found
 
 
+# ---------------------------------------------------------------------------------------------- the parts
+compiled = "--compile" if COMPILE else "eager"
+measure_part("A", f"fsdp2_pretrain.py, bucket {BUCKET}, full checkpointing, {compiled}",
+             pretrain("A", "fsdp2_pretrain.py", BUCKET, *COMPILE, profile=True))
+measure_part("B", f"bare loop as FSDP2, bucket {BUCKET}, full checkpointing, {compiled}",
+             bare_loop("B", "fsdp2", "--compile-more", "optimizer", profile=True))
+run_part("E", "tests/test_cuda.py: every training script, tiny, bf16, 1 GPU, one with --compile", cuda_tests)
 run_part("P", f"parity.py: the single-GPU rows against DDP, {PARITY_DTYPE}", parity_rows)
+measure_part("A-ddp", f"ddp_pretrain.py, bucket {BUCKET}, full checkpointing, {compiled}",
+             pretrain("A-ddp", "ddp_pretrain.py", BUCKET, *COMPILE, profile=True))
+measure_part("B-ddp", f"bare loop as DDP, bucket {BUCKET}, full checkpointing, {compiled}", bare_loop("B-ddp", "ddp"))
+measure_part("N", f"fsdp2_pretrain.py, bucket {BUCKET}, no checkpointing, {compiled}",
+             pretrain("N", "fsdp2_pretrain.py", BUCKET, "--activation-checkpointing", "none", *COMPILE))
+run_part("M", "estimate_memory.py --check-on-gpu: FSDP2 and the SFT", memory_estimates, goal=memory_goal)
 if not cli.dry_run:  # the bare loop without checkpointing, selective checkpointing, eager and the next bucket down:
     # parts whose plumbing the dry run's B and N prove
     measure_part("B-none", f"bare loop as FSDP2, bucket {BUCKET}, no checkpointing, {compiled}",
-                 bare_loop("B-none", "fsdp2", "--activation-checkpointing", "none"), needs=KEPT["B-none"])
+                 bare_loop("B-none", "fsdp2", "--activation-checkpointing", "none"))
     measure_part("C", f"fsdp2_pretrain.py, bucket {BUCKET}, selective checkpointing, {compiled}",
-                 pretrain("C", "fsdp2_pretrain.py", BUCKET, "--activation-checkpointing", "selective", *COMPILE),
-                 needs=KEPT["C"])
+                 pretrain("C", "fsdp2_pretrain.py", BUCKET, "--activation-checkpointing", "selective", *COMPILE))
     measure_part("A-eager", f"fsdp2_pretrain.py, bucket {BUCKET}, full checkpointing, eager",
-                 pretrain("A-eager", "fsdp2_pretrain.py", BUCKET), needs=KEPT["A"])
+                 pretrain("A-eager", "fsdp2_pretrain.py", BUCKET))
     measure_part("A2", f"fsdp2_pretrain.py, bucket {SECOND_BUCKET}, full checkpointing, {compiled}",
-                 pretrain("A2", "fsdp2_pretrain.py", SECOND_BUCKET, *COMPILE), needs=KEPT["A"])
+                 pretrain("A2", "fsdp2_pretrain.py", SECOND_BUCKET, *COMPILE))
 print("\n" + table(), flush=True)

@@ -39,7 +39,7 @@ def test_dry_run_measures_every_part_and_writes_its_table():
                                                (folder / "stderr").read_text()))
     results = json.loads((out / "results.json").read_text())
     rows = results["parts"]
-    assert [row["part"] for row in rows] == ["A", "B", "B", "A-ddp", "B-ddp", "N", "M", "M", "E", "P", "P", "P"]
+    assert [row["part"] for row in rows] == ["A", "B", "B", "E", "P", "P", "P", "A-ddp", "B-ddp", "N", "M", "M"]
     assert all(row["outcome"].startswith("ok") for row in rows), rows
     speed = [row for row in rows if row.get("tokens_per_s")]
     assert len(speed) == 6
@@ -57,15 +57,15 @@ def test_dry_run_measures_every_part_and_writes_its_table():
     assert rows[2]["configuration"] == "the bare loop above, its optimizer compiled too"
     assert rows[2]["ratio"].startswith("/ the row above = ")
     # The memory estimate's plumbing: FSDP2's and the SFT's estimate on the CPU (no GPU: nothing to hold it against).
-    assert [row["configuration"].split(":")[0] for row in rows[6:8]] == [
+    assert [row["configuration"].split(":")[0] for row in rows[10:12]] == [
         "estimate_memory.py fsdp2, bucket 128", "estimate_memory.py sft, bucket 256"]
-    assert all(row["ratio"] is None and " GB" in row["configuration"] for row in rows[6:8])
-    assert rows[8]["outcome"] == "ok: 0 passed, 0 failed, 11 skipped of 11"  # every script's CUDA test, collected
+    assert all(row["ratio"] is None and " GB" in row["configuration"] for row in rows[10:12])
+    assert rows[3]["outcome"] == "ok: 0 passed, 0 failed, 11 skipped of 11"  # every script's CUDA test, collected
     # parity.py's single-GPU rows, here on the CPU in fp32: each script against DDP on one process.
-    assert [row["configuration"].split(":")[0] for row in rows[9:12]] == [
+    assert [row["configuration"].split(":")[0] for row in rows[4:7]] == [
         f"parity.py {script}, world 1, fp32, 6 steps" for script in ("fsdp1_pretrain.py", "fsdp2_pretrain.py",
                                                                      "fsdp2_3d_pretrain.py")]
-    assert all(row["goal"] == "within 1e-05: met" for row in rows[9:12]), rows[9:12]
+    assert all(row["goal"] == "within 1e-05: met" for row in rows[4:7]), rows[4:7]
     # The profiles of A, B and A-ddp: three steps after the timed ones, each step's host time (no GPU to be busy).
     assert sorted(results["profiles"]) == ["A", "A-ddp", "B"]
     for profile in results["profiles"].values():

@@ -1,6 +1,7 @@
 """Checkpoint bookkeeping shared by every script: find, commit, verify and prune; a failed save, reported; --resume and
 --init-from, found and checked; an export read back. Each strategy's save and load is in its script; loading.py reads
 any, for the tools."""
+import contextlib
 import json
 import os
 import shutil
@@ -36,9 +37,7 @@ def complete_checkpoints(checkpoint_root):
 def newest_checkpoint(path):
     """PATH itself if it is a complete checkpoint folder, else the newest one of the run folder PATH, or None."""
     path = Path(path)
-    if (path / "meta.json").is_file():
-        return path
-    found = complete_checkpoints(path / "checkpoints")
+    found = [path] if (path / "meta.json").is_file() else complete_checkpoints(path / "checkpoints")
     return found[-1] if found else None
 
 
@@ -60,22 +59,19 @@ def commit_checkpoint(partial_dir, args, script, step, world_size, data_order, r
         shutil.rmtree(removing)
 
 
-def report_failure(out_dir):
-    """Decorates save_checkpoint(step, ...): a save that fails is one line. Its partial folder is never committed, so
+@contextlib.contextmanager
+def report_failure(out_dir, step):
+    """Around save_checkpoint(step, ...): a save that fails is one line. Its partial folder is never committed, so
     every complete checkpoint stays whole. torch.save says "unexpected pos" for a full disk: the free space says it."""
-    def decorate(save_checkpoint):
-        def save(step, *rest):
-            try:
-                return save_checkpoint(step, *rest)
-            except (OSError, RuntimeError, CheckpointException) as error:  # DCP's: every rank's failures, on every rank
-                cause = next(iter(error.failures.values()))[0] if isinstance(error, CheckpointException) else error
-                free = shutil.disk_usage(out_dir).free / 1e9 if os.path.isdir(out_dir) else 0.0  # (a folder removed)
-                print(file=sys.__stderr__)  # end the progress bar's line
-                raise SaveFailed(f"--out-dir {out_dir}: saving step {step} failed ({type(cause).__name__}: {cause}; "
-                                 f"{free:.1f} GB free): every complete checkpoint is whole; free space or fix the "
-                                 f"folder, then run the same command with --resume auto")
-        return save
-    return decorate
+    try:
+        yield
+    except (OSError, RuntimeError, CheckpointException) as error:  # DCP's: every rank's failures, on every rank
+        cause = next(iter(error.failures.values()))[0] if isinstance(error, CheckpointException) else error
+        free = shutil.disk_usage(out_dir).free / 1e9 if os.path.isdir(out_dir) else 0.0  # (a folder removed)
+        print(file=sys.__stderr__)  # end the progress bar's line
+        raise SaveFailed(f"--out-dir {out_dir}: saving step {step} failed ({type(cause).__name__}: {cause}; "
+                         f"{free:.1f} GB free): every complete checkpoint is whole; free space or fix the "
+                         f"folder, then run the same command with --resume auto")
 
 
 def remove_incomplete_checkpoints(checkpoint_root):

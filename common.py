@@ -4,6 +4,7 @@ subject each: modeling.py, metrics.py, data.py, checkpoints.py and grading.py. W
 in the scripts, so that `diff` between them is the lesson."""
 import argparse
 import ctypes
+import datetime
 import functools
 import json
 import math
@@ -26,9 +27,8 @@ IGNORE_INDEX = -100  # label of positions that carry no loss (F.cross_entropy's 
 # Errors: what we can name is one line, `error: ...`, with the exit status of its kind; never a traceback from our code.
 
 class ReportedError(Exception):
-    """A failure whose cause our code knows: one line, and exit status `exit_status` (a subclass per kind, listed in
-    docs/errors.md). Anything else is a bug, with a traceback and exit status 1."""
-    exit_status = 1
+    """A failure whose cause our code knows: one line, and its kind's exit status (a subclass each, docs/errors.md)."""
+    exit_status = 1  # any other exception is a bug: a traceback, and exit status 1 too
 
 
 class UsageError(ReportedError):
@@ -264,7 +264,6 @@ def write_config(args, script, world_size, device, dtype, n_params, step_tokens,
               "total_tokens": total_tokens, "tokens_per_parameter": total_tokens / n_params,
               "training_flops": 6 * n_params * total_tokens, "started_from": start_dir and str(start_dir),
               "flags": flag_values(args)}
-    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     (Path(args.out_dir) / "config.json").write_text(json.dumps(config, indent=2))
     flags = [f"--{name.replace('_', '-')}={','.join(map(str, value)) if isinstance(value, list) else value}"
              for name, value in config["flags"].items()]
@@ -285,8 +284,7 @@ GPT2_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2
 ROLE_MARKERS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
 END_OF_TURN = "<|end_of_turn|>"
 REASONING_MARKERS = ["<|begin_of_thought|>", "<|end_of_thought|>", "<|begin_of_solution|>", "<|end_of_solution|>"]
-SPECIAL_TOKENS = {marker: EOT_ID + 1 + i
-                  for i, marker in enumerate([*ROLE_MARKERS.values(), END_OF_TURN, *REASONING_MARKERS])}
+SPECIAL_TOKENS = dict(zip([*ROLE_MARKERS.values(), END_OF_TURN, *REASONING_MARKERS], range(EOT_ID + 1, VOCAB_SIZE)))
 
 
 @functools.cache  # an encoding is immutable; building one parses 50,000 merges (most of a second)
@@ -386,8 +384,6 @@ def exit_stopped(step, checkpoint_root):
 def init_process_group(device, fake=False):
     """NCCL on CUDA, gloo on CPU; a plain `python script.py` is a group of one on an in-process store. A collective that
     waits 10 minutes fails instead of hanging (gloo's default: 30); torchrun stops the others when a rank dies."""
-    import datetime
-
     import torch.distributed as dist
 
     if fake:  # --estimate-memory fake: this process is rank 0 of WORLD_SIZE; collectives move nothing, return at once

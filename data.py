@@ -15,10 +15,9 @@ PREPARED_FORMAT, PREPARED_VERSION = "llm-reference-tokens", 1
 
 def tokenizer_identity(chat_format):
     """What a prepared folder's ids depend on: the encoding (with the chat markers or not), its files and markers."""
-    special_tokens = {"<|endoftext|>": common.EOT_ID, **(common.SPECIAL_TOKENS if chat_format else {})}
     return {"name": "gpt2-chat" if chat_format else "gpt2", "vocab_bpe_sha256": common.GPT2_VOCAB_BPE_SHA256,
             "encoder_json_sha256": common.GPT2_ENCODER_JSON_SHA256,
-            "special_tokens": dict(sorted(special_tokens.items(), key=lambda item: item[1]))}
+            "special_tokens": {"<|endoftext|>": common.EOT_ID, **(common.SPECIAL_TOKENS if chat_format else {})}}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -40,9 +39,8 @@ def source_and_weight(item, flag):
 
 
 def parse_sources(items):
-    """[(folder, weight or None)] of --data's FOLDER[:WEIGHT] items. A weight is a share of the training tokens; given
-    for one source, it is given for all, and they are normalized to sum to 1; given for none, each sample of every
-    source is taken once an epoch."""
+    """[(folder, weight or None)] of --data's FOLDER[:WEIGHT] items. Weights are shares of the training tokens,
+    normalized to sum to 1, given for every source or for none (each sample then taken once an epoch)."""
     sources = [source_and_weight(item, "--data") for item in items]
     weights = [weight for _, weight in sources]
     if None in weights and any(weight is not None for weight in weights):
@@ -60,11 +58,10 @@ def source_names(sources):
 
 
 class Corpus(NamedTuple):
-    """A prepared folder, memory-mapped: document i is tokens[offsets[i]:offsets[i + 1]]; mask (conversations) marks
-    the targets."""
+    """A prepared folder, memory-mapped: document i is tokens[offsets[i]:offsets[i + 1]]."""
     tokens: np.ndarray
     offsets: np.ndarray
-    mask: np.ndarray | None
+    mask: np.ndarray | None  # conversations: 1 on the targets (an assistant's tokens); text: None
     chat_format: bool  # conversations in the chat format: a model trained on them knows its markers
     content_sha256: str  # names the data in checkpoints: a resume on other data is refused
 
@@ -101,14 +98,13 @@ def open_prepared(folder, flag, conversations=False):
 # Samples and the validation split.
 
 class Split(NamedTuple):
-    """The samples of one split, as flat arrays over the memory-mapped sources: sample i is
-    tokens[sources[i]][starts[i]:starts[i] + lengths[i]]; target_counts[i] of its positions carry a loss."""
+    """The samples of one split, as flat arrays over the memory-mapped sources."""
     tokens: list  # each source's token ids
     masks: list  # each source's loss mask (1 on an assistant's tokens), or None: every token but a sample's first
-    sources: np.ndarray
+    sources: np.ndarray  # sample i is tokens[sources[i]][starts[i]:starts[i] + lengths[i]]
     starts: np.ndarray
     lengths: np.ndarray
-    target_counts: np.ndarray
+    target_counts: np.ndarray  # of sample i's positions, how many carry a loss
     shares: np.ndarray | None  # a mixture's share of an epoch's tokens per source; None: every sample once an epoch
     chat_format: bool  # some of its data is conversations in the chat format
     content_sha256: str
@@ -140,24 +136,18 @@ def document_samples(corpus, documents, max_len):
 def load_pretraining_data(args):
     """The training Split of --data's sources (a mixture if weights are given) and each source's validation Split, by
     name. A folder of conversations is read as text in the chat format, every token a target (midtraining)."""
-    sources = parse_sources(args.data)
-    train, val = [], {}
-    for (source, _), name in zip(sources, source_names([source for source, _ in sources])):
-        source_train, val[name] = text_splits(open_prepared(source, "--data"), args)
-        train.append(source_train)
-    shares = np.array([weight for _, weight in sources]) if sources[0][1] is not None else None
-    return mixture(train, shares), val
+    folders, weights = zip(*parse_sources(args.data))
+    train, val = zip(*(text_splits(open_prepared(folder, "--data"), args) for folder in folders))
+    shares = None if weights[0] is None else np.array(weights)
+    return mixture(train, shares), dict(zip(source_names(folders), val))
 
 
 def text_splits(corpus, args):
     """Train and validation Splits of a text corpus, every token but a sample's first a target."""
-    is_val = np.zeros(len(corpus.offsets) - 1, dtype=bool)
-    is_val[common.validation_documents(len(is_val), args.val_fraction)] = True
-    splits = []
-    for documents in (np.flatnonzero(~is_val), np.flatnonzero(is_val)):
-        starts, lengths = document_samples(corpus, documents, args.buckets[-1])
-        splits.append(one_source_split(corpus, None, starts, lengths, lengths - 1))
-    return splits
+    val_documents = common.validation_documents(len(corpus.offsets) - 1, args.val_fraction)
+    train_documents = np.setdiff1d(np.arange(len(corpus.offsets) - 1), val_documents)
+    samples = (document_samples(corpus, documents, args.buckets[-1]) for documents in (train_documents, val_documents))
+    return [one_source_split(corpus, None, starts, lengths, lengths - 1) for starts, lengths in samples]
 
 
 def mixture(splits, shares):
@@ -183,14 +173,11 @@ def load_sft_data(args):
     target_counts = np.add.reduceat(corpus.mask, starts, dtype=np.int64) - corpus.mask[starts]
     for i in np.flatnonzero(lengths > cut):  # the few conversations that are cut: count again within the cut
         target_counts[i] = int(corpus.mask[starts[i] + 1:starts[i] + cut[i]].sum())
-    is_val = np.zeros(len(starts), dtype=bool)
-    is_val[common.validation_documents(len(starts), args.val_fraction)] = True
-
-    def split(keep):
-        return one_source_split(corpus, corpus.mask, starts[keep], cut[keep], target_counts[keep])
-
+    is_val = np.isin(np.arange(len(starts)), common.validation_documents(len(starts), args.val_fraction))
     has_targets = target_counts > 0
-    return split(~is_val & has_targets), {source_names([args.data])[0]: split(is_val & has_targets)}
+    train, val = (one_source_split(corpus, corpus.mask, starts[keep], cut[keep], target_counts[keep])
+                  for keep in (~is_val & has_targets, is_val & has_targets))
+    return train, {source_names([args.data])[0]: val}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -217,9 +204,8 @@ class Schedule:
 
 
 def epoch_samples(split, seed, epoch):
-    """The samples of an epoch: each once; or, for a mixture, each source's share of the epoch's tokens. A source is
-    read in passes, each shuffled anew, laid end to end: epoch e takes the samples that begin in its e-th quota of
-    tokens, so a small source repeats and a large one is read on over the next epochs."""
+    """An epoch's samples: each once, or (a mixture) each source's token share, read in passes shuffled anew end to end:
+    epoch e takes those that begin in its e-th quota (a small source repeats, a large one reads on)."""
     if split.shares is None:
         return np.arange(len(split.lengths))
     chosen = []
@@ -235,9 +221,8 @@ def epoch_samples(split, seed, epoch):
 
 def epoch_schedule(lengths, buckets, tokens_per_batch, world_size, grad_accum, seed, epoch, order="shuffled",
                    samples=None):
-    """The optimizer steps of one epoch, identical on every rank: each bucket's samples (of `samples`, default all)
-    shuffled and cut into steps of batch size x grad_accum x world_size; a bucket's last step may be short (padded
-    rows). Then the steps are shuffled, or kept short buckets first."""
+    """One epoch's optimizer steps, alike on every rank: each bucket's samples (of `samples`, default all) shuffled and
+    cut into steps of batch size x grad_accum x world_size, then the steps shuffled or short buckets first."""
     epoch_ids = np.arange(len(lengths)) if samples is None else np.asarray(samples)
     rng = np.random.default_rng([seed, epoch])
     bucket_of = np.searchsorted(buckets, np.asarray(lengths)[epoch_ids])  # the smallest bucket that holds each
@@ -248,7 +233,7 @@ def epoch_schedule(lengths, buckets, tokens_per_batch, world_size, grad_accum, s
         step_starts, offset = np.arange(0, len(members), per_step), sum(map(len, samples))
         samples.append(members)
         starts.append(offset + step_starts)
-        ends.append(offset + np.minimum(step_starts + per_step, len(members)))
+        ends.append(offset + np.minimum(step_starts + per_step, len(members)))  # a last step may be short: padded rows
         bucket_lens.append(np.full(len(step_starts), bucket_len))
     n_steps = sum(map(len, starts))
     steps = rng.permutation(n_steps) if order == "shuffled" else np.arange(n_steps)
@@ -257,9 +242,8 @@ def epoch_schedule(lengths, buckets, tokens_per_batch, world_size, grad_accum, s
 
 
 def collate(split, sample_ids, bucket_len, batch_size, device):
-    """Input ids and targets of the samples at `sample_ids`, right-padded to the bucket length (under a causal mask,
-    padding on the right changes no real token's output: no attention mask), on `device` (a GPU's: copied from pinned
-    memory, so the host does not wait). Target t is token t+1 where that token carries a loss; padding never does."""
+    """Input ids and targets of the samples at `sample_ids` on `device`, right-padded to the bucket length (no attention
+    mask: under the causal one, right padding changes no real token). Target t: token t+1 where that carries a loss."""
     input_ids, targets = (torch.full((batch_size, bucket_len), fill, dtype=torch.long, pin_memory=device.type == "cuda")
                           for fill in (common.EOT_ID, common.IGNORE_INDEX))
     for row, i in enumerate(sample_ids):
@@ -270,7 +254,7 @@ def collate(split, sample_ids, bucket_len, batch_size, device):
         if mask is not None:  # conversations: only the assistant's tokens are targets
             not_targets = torch.from_numpy(mask[start + 1:start + n] == 0)
             targets[row, :n - 1].masked_fill_(not_targets, common.IGNORE_INDEX)
-    return input_ids.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+    return input_ids.to(device, non_blocking=True), targets.to(device, non_blocking=True)  # from pinned memory: no wait
 
 
 # ----------------------------------------------------------------------------------------------

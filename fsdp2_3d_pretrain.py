@@ -120,7 +120,7 @@ torch.manual_seed(args.seed)  # the same init on every rank, and in every script
 model = modeling.build_model(args.model, args.activation_checkpointing, args.loss_chunk_rows, fake)
 if init_dir is not None:  # midtraining: a checkpoint's weights, whole on every rank; the optimizer starts fresh
     dcp.load(model.state_dict(), checkpoint_id=init_dir / "model")  # in place: a state_dict's tensors are the weights
-n_params, model_config = modeling.count_parameters(model), model.config
+n_params, model_config = model.num_parameters(), model.config  # transformers' count: a tied weight once
 if rank == 0:
     common.write_config(args, SCRIPT, world_size, device, dtype, n_params, tokens_per_step, resume_dir or init_dir)
 if args.compile:  # --cp 1 --tp 1 only (the check above)
@@ -243,7 +243,6 @@ if args.estimate_memory:  # estimate_memory.py: this step, measured per bucket o
 
 
 # ---------------------------------------------------------------------------------------------- checkpoint
-@checkpoints.report_failure(args.out_dir)  # a write refused (a full disk) is one line: the step, the folder, the cause
 def save_checkpoint(step, data_position):
     """Every rank writes its own shards with DCP into a partial folder that is renamed once complete."""
     partial_dir = checkpoint_root / f".partial_step_{step}"
@@ -313,7 +312,6 @@ def evaluate():
 
 
 # ---------------------------------------------------------------------------------------------- training loop
-Path(args.out_dir).mkdir(parents=True, exist_ok=True)
 if rank == 0:
     metrics_file = metrics.open_metrics(Path(args.out_dir) / "metrics.jsonl", step if resume_dir else None)
     # On resume, TensorBoard drops a crashed run's points after the checkpoint's step.
@@ -381,7 +379,8 @@ while step < args.max_steps and not stop_votes:
         validation = evaluate()
         log({"step": step, **validation})
     if step % args.save_every == 0 or step == args.max_steps or stop_votes:
-        save_checkpoint(step, data_position)
+        with checkpoints.report_failure(args.out_dir, step):  # a refused write (a full disk): one line, no traceback
+            save_checkpoint(step, data_position)
     if rank == 0:  # the bar redraws at most every 0.1 s (tqdm's mininterval), not at every step
         progress.set_postfix({"loss": f"{loss:.3f}", "tok/s": f"{tokens / step_time:,.0f}",
                               **({"mfu": f"{mfu:.1%}"} if mfu else {}), "mem": f"{step_peak_mem_gb:.2f}GB",

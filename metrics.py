@@ -38,9 +38,8 @@ def step_peak_memory_gb(device):
 
 
 def open_metrics(path, resumed_step):
-    """metrics.jsonl, opened for appending rows, unbuffered: each row one write of a whole line, so that a reader never
-    meets half a row. On resume, rows after the checkpoint's step (written by the run that crashed after it, and about
-    to be trained again) are dropped first, so every step appears once."""
+    """metrics.jsonl, appended to unbuffered: a row is one write, so a reader never meets half of one. On resume, rows
+    after the checkpoint's step (a crashed run's, to be trained again) are dropped: every step appears once."""
     path = Path(path)
     if resumed_step is None or not path.exists():
         return open(path, "wb", buffering=0)
@@ -76,8 +75,7 @@ def stop_if_nonfinite(step, loss, grad_norm):
 
 def estimate_memory(args, model, optimizer, train_step, device, micro_batches):
     """--estimate-memory: per bucket, torch's tracker counts this rank's memory by category over one optimizer step on
-    full batches (every row whole, every position a target; rows: data.bucket_batch_size's; micro_batches(rows) in a
-    step); rank 0 writes memory.json into --out-dir (in bytes). Then this process ends, as a finished run does."""
+    full batches (all targets; micro_batches(rows) of them); rank 0 writes memory.json (in bytes); the process ends."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import FSDPModule
@@ -94,12 +92,10 @@ def estimate_memory(args, model, optimizer, train_step, device, micro_batches):
             tracker.track_external(model, optimizer)  # FSDPMemTracker finds them itself
         step_peak_memory_gb(device)  # a new peak
         batch = torch.zeros(args.tokens_per_batch // bucket_len, bucket_len, dtype=torch.long, device=device)
-        # A tracker follows one forward per module: its records restart at each micro-batch's, in a global hook, which
-        # runs before every module's own (FSDP's among them).
+        # A tracker follows one forward per module: a global hook (before FSDP's) restarts it at each micro-batch.
         restart = register_module_forward_pre_hook(lambda module, _: tracker.reset_mod_stats() if module is model
                                                    else None)
-        # Micro-batches after the first meet the same memory (the gradients being made), so the first and the last
-        # stand for them all: the last syncs the gradients.
+        # Two micro-batches stand for all: those after the first meet the same memory, and the last syncs the gradients.
         micro = min(micro_batches(len(batch)), 2)
         with tracker:
             train_step([(batch, batch)] * micro, batch.numel() * micro)

@@ -6,7 +6,7 @@ import functools
 import torch
 import transformers
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from common import END_OF_TURN, EOT_ID, IGNORE_INDEX, MODEL_PRESETS, SPECIAL_TOKENS, VOCAB_SIZE
 
@@ -27,9 +27,8 @@ class Qwen2WithChunkedLoss(transformers.Qwen2ForCausalLM):
 
 
 def build_model(preset, activation_checkpointing="full", loss_chunk_rows=None, fake=False):
-    """A Qwen2WithChunkedLoss with the GPT-2 vocabulary and activation checkpointing ("full", "selective" or "none"), in
-    transformers' own init (normal(0, 0.02) matrices, zero biases): the first loss sits at ln(50,304) = 10.83.
-    fake=True: fake tensors (shapes and dtypes, no memory, no values) for estimate_memory.py."""
+    """A Qwen2WithChunkedLoss with the GPT-2 vocabulary and activation checkpointing, in transformers' own init
+    (normal(0, 0.02) matrices, zero biases: a first loss of ln(50,304) = 10.83); fake: fake tensors, shapes only."""
     rope = {"rope_type": "default", "rope_theta": MODEL_PRESETS[preset]["rope_theta"]}
     with torch.device("meta") if fake else contextlib.nullcontext():  # fake: transformers' init needs no values
         model = Qwen2WithChunkedLoss(transformers.Qwen2Config(
@@ -43,9 +42,9 @@ def build_model(preset, activation_checkpointing="full", loss_chunk_rows=None, f
     model.loss_chunk_rows = loss_chunk_rows
     if activation_checkpointing != "none":  # recompute each decoder layer in backward, instead of keeping activations
         checkpoint_kwargs = {"use_reentrant": False}
-        if activation_checkpointing == "selective":  # torch's selective checkpointing: a policy per op
+        if activation_checkpointing == "selective":  # torch's selective checkpointing: a list of the ops to keep
             checkpoint_kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts,
-                                                                selective_checkpoint_policy)
+                                                                SELECTIVE_CHECKPOINT_SAVES)
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs)
         # transformers also hooks the embedding to make its output require grad, even under no_grad: only reentrant
         # checkpointing needs that, and under --compile it costs every bucket a third graph (evaluation, first layer).
@@ -55,17 +54,13 @@ def build_model(preset, activation_checkpointing="full", loss_chunk_rows=None, f
 
 # Selective checkpointing keeps the outputs of these ops (the matmuls and attention: nearly all of a layer's
 # FLOPs) and recomputes everything else (norms, rotary, SiLU, residual adds: cheap, but many activations).
-SELECTIVE_CHECKPOINT_SAVES = {
+SELECTIVE_CHECKPOINT_SAVES = [
     torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-}
-
-
-def selective_checkpoint_policy(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_CHECKPOINT_SAVES else CheckpointPolicy.PREFER_RECOMPUTE
+]
 
 
 # Rows of logits per chunk, unless --loss-chunk-rows. CPU: 128 x 50,304 fp32 logits are 26 MB, under glibc's 32 MB
@@ -123,10 +118,6 @@ def chunked_cross_entropy(hidden, weight, targets, weights=None, rows=None):
     rows = rows or LOSS_CHUNK_ROWS.get(hidden.device.type, 4096)
     return ChunkedCrossEntropy.apply(hidden[is_target], weight, targets[is_target], row_weights, rows,
                                      torch.is_grad_enabled())
-
-
-def count_parameters(model):
-    return sum(p.numel() for p in model.parameters())  # tied embeddings are one Parameter, counted once
 
 
 def flops_per_token(n_params, config, seq_len):

@@ -103,7 +103,7 @@ model = modeling.build_model(args.model, args.activation_checkpointing, args.los
 model = model.to(device) if device.type == "cuda" else model  # a fake tensor (--estimate-memory) cannot move
 if init_dir is not None:  # midtraining: a checkpoint's weights, whole on every rank; the optimizer starts fresh
     dcp.load(model.state_dict(), checkpoint_id=init_dir / "model")  # in place: a state_dict's tensors are the weights
-n_params, model_config = modeling.count_parameters(model), model.config
+n_params, model_config = model.num_parameters(), model.config  # transformers' count: a tied weight once
 if rank == 0:
     common.write_config(args, SCRIPT, world_size, device, dtype, n_params, tokens_per_step, resume_dir or init_dir)
 # bf16 matmuls on fp32 weights: the forward and the loss run inside `with autocast:`, the backward follows their dtypes.
@@ -191,7 +191,6 @@ def train_step(batches, target_tokens):
 
 
 # ---------------------------------------------------------------------------------------------- checkpoint
-@checkpoints.report_failure(args.out_dir)  # a write refused (a full disk) is one line: the step, the folder, the cause
 def save_checkpoint(step, data_position):
     """Every stage writes its own layers with DCP, keyed by the whole model's names (fsdp2_pretrain.py's format)."""
     partial_dir = checkpoint_root / f".partial_step_{step}"
@@ -260,7 +259,6 @@ def evaluate():
 
 
 # ---------------------------------------------------------------------------------------------- training loop
-Path(args.out_dir).mkdir(parents=True, exist_ok=True)
 if rank == 0:
     metrics_file = metrics.open_metrics(Path(args.out_dir) / "metrics.jsonl", step if resume_dir else None)
     # On resume, TensorBoard drops a crashed run's points after the checkpoint's step.
@@ -327,7 +325,8 @@ while step < args.max_steps and not stop_votes:
         validation = evaluate()
         log({"step": step, **validation})
     if step % args.save_every == 0 or step == args.max_steps or stop_votes:
-        save_checkpoint(step, data_position)
+        with checkpoints.report_failure(args.out_dir, step):  # a refused write (a full disk): one line, no traceback
+            save_checkpoint(step, data_position)
     if rank == 0:  # the bar redraws at most every 0.1 s (tqdm's mininterval), not at every step
         progress.set_postfix({"loss": f"{loss:.3f}", "tok/s": f"{tokens / step_time:,.0f}",
                               **({"mfu": f"{mfu:.1%}"} if mfu else {}), "mem": f"{step_peak_mem_gb:.2f}GB",

@@ -143,7 +143,7 @@ KEPT = {"A": 90, "B": 110, "A-ddp": 90, "B-ddp": 75, "N": 90, "C": 90, "M": 150,
         "A-eager": 90, "A2": 90}
 with torch.device("meta"):  # no memory: only the parameter count and shapes, for the FLOPs per token
     meta_model = modeling.build_model(MODEL)
-N_PARAMS, MODEL_CONFIG = modeling.count_parameters(meta_model), meta_model.config
+N_PARAMS, MODEL_CONFIG = meta_model.num_parameters(), meta_model.config
 PEAK_FLOPS = next((flops for name, flops in metrics.PEAK_BF16_FLOPS.items() if name in versions["device"]), None)
 
 # ---------------------------------------------------------------------------------------------- the data

@@ -10,7 +10,7 @@ import modeling
 def test_qwen2_preset_has_the_recipe_parameter_count():
     with torch.device("meta"):  # shapes only: no memory, no init
         model = modeling.build_model("qwen2-0.5b")
-    assert modeling.count_parameters(model) == 402_970_496
+    assert model.num_parameters() == 402_970_496
     config = model.config
     assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (896, 4864, 24)
     assert (config.num_attention_heads, config.num_key_value_heads, config.vocab_size) == (14, 2, 50_304)
@@ -67,7 +67,7 @@ def test_initial_loss_is_uniform_over_the_vocabulary():
 def test_flops_per_token_formula():
     with torch.device("meta"):
         model = modeling.build_model("qwen2-0.5b")
-    n = modeling.count_parameters(model)
+    n = model.num_parameters()
     # 6N + 12 * layers * heads * head_dim * seq_len, at seq_len 2048
     assert modeling.flops_per_token(n, model.config, 2048) == 6 * 402_970_496 + 12 * 24 * 14 * 64 * 2048
 

@@ -36,7 +36,7 @@ profiled (benchmarks/step_profile.py), after the timing so it stays out of it.
           peak allocated and reserved memory (ratio: estimate / allocated; goal: within 10%).
   B-none  the bare loop without checkpointing, for N / B-none; C, --activation-checkpointing selective; A-eager and A2
           (bucket 1,024): if time is left.
-A compiled qwen2-0.5b run takes 75-90 s on an H100, so the 550 s hold A, B, E and P; --parts picks the others.
+A compiled qwen2-0.5b run took 75-90 s on an H100: the 550 s keep time for A, B, E and P; --parts picks the others.
 Goals in the table: MFU at least 40% where the peak reserved memory fits 24 GB; a script within 5% of its bare loop;
 step times within 10% of each other ((slowest - fastest) / median of the timed steps); the estimate within 10%.
 The text fills each bucket: CPython's help topics and docstrings (the built-in corpus), shuffled and joined into

@@ -19,26 +19,28 @@ On a CPU, the same sequence end to end with the tiny preset, fp32, gloo and a fe
 The parts, in order of value, each under a time bound of its own, so that a slow or failing part loses nothing else:
 a part keeps time for the parts after it, but never less than its own (KEPT), so the budget cuts the last parts first.
 Each part's rows are written to --out as soon as it ends. The pretraining runs are qwen2-0.5b on 1 GPU, bf16,
---compile, 16,384 tokens a step, one bucket of 2,048; steps 11-30 are timed, and steps 32-34 of A, A-ddp and B are
-profiled (benchmarks/step_profile.py), after the timing so it stays out of it.
+--compile, one bucket of 2,048, 16,384 tokens a micro-batch unless named; steps 11-30 are timed, and steps 32-34 are
+profiled (benchmarks/step_profile.py: the GPU's busy share), after the timing so it stays out of it.
   A       fsdp2_pretrain.py, full activation checkpointing.
   B       the bare loop (benchmarks/baselines.py bare: the same model class, batches, wrapping, bf16 and checkpointing;
           no metrics, no checkpoint, one wait for the GPU per step) as FSDP2: A / B is what the script's loop costs.
-          Then the same with the optimizer step compiled too: its ratio to B.
+  S4x, S4x-full, S2x, S2x-full, S1x   the sweep: does a bigger micro-batch, or lighter checkpointing, fill the GPU?
+          A at 4x, 2x and 1x its tokens a micro-batch (65,536, 32,768, 16,384), each under the lightest checkpointing
+          (none, else selective) that estimate_memory.py's estimate fits on this GPU, and under full checkpointing
+          (at 1x: A). Every row beside its estimate (run at the start, on the CPU, while A runs): the estimate's error.
+  A-ddp   ddp_pretrain.py at the fastest setting above (or --best), and B-ddp, the bare loop as DDP there: the loop's
+          cost under DDP, and what FSDP2's own machinery costs on one rank (the fastest row / A-ddp).
   E       tests/test_cuda.py: every training script's CUDA path (tiny preset, bf16, NCCL; one with --compile; the waits
           for the GPU per step, counted by torch.cuda.set_sync_debug_mode).
   P       parity.py's single-GPU rows in bf16: FSDP1, FSDP2 and the 3D script (every degree 1) against DDP on the GPU,
           tiny preset, 32 steps; how far bf16 takes them from DDP, against docs/parity.md's 1e-2.
-  A-ddp   ddp_pretrain.py at A's setting, and B-ddp, the bare loop as DDP: the loop's cost under DDP, and B / B-ddp,
-          what FSDP2's own machinery costs on one rank.
-  N       fsdp2_pretrain.py --activation-checkpointing none: no recompute (the goal row where it fits 24 GB).
-  M       estimate_memory.py --check-on-gpu: its estimate for FSDP2 at 2,048 and the SFT at 8,192 beside one real step's
-          peak allocated and reserved memory (ratio: estimate / allocated; goal: within 10%).
-  B-none  the bare loop without checkpointing, for N / B-none; C, --activation-checkpointing selective; A-eager and A2
-          (bucket 1,024): if time is left.
-A compiled qwen2-0.5b run took 75-90 s on an H100: the 550 s keep time for A, B, E and P; --parts picks the others.
-Goals in the table: MFU at least 40% where the peak reserved memory fits 24 GB; a script within 5% of its bare loop;
-step times within 10% of each other ((slowest - fastest) / median of the timed steps); the estimate within 10%.
+  M       estimate_memory.py --check-on-gpu: its estimate for the SFT at 8,192 beside one real step's peak.
+  A-eager and A2 (bucket 1,024): if time is left.
+A compiled qwen2-0.5b run takes 75-100 s on an H100 (its compile most of it): the 550 s hold A, B and the first
+three sweep rows; `--parts S2x-full,S1x,A-ddp,B-ddp` and `--parts E,P,M` run the others in calls of their own.
+Goals in the table: MFU at least 45% at the best setting, at least 40% where the estimate fits 24 GB; a script
+within 5% of its bare loop; step times within 10% of each other ((slowest - fastest) / median of the timed steps);
+the estimate within 10% of the run's peak allocated memory.
 The text fills each bucket: CPython's help topics and docstrings (the built-in corpus), shuffled and joined into
 documents of 30 bucket lengths, so every sample but a few is a whole bucket (the non-padding share is in the table).
 The SFT's conversations are the same text as replies of about 4,000 tokens and of over 8,192 (cut to 8,192).
@@ -49,6 +51,7 @@ Writes results.json, results.md (the tables, printed last) and logs.tar.gz (logs
 import argparse
 import datetime
 import json
+import math
 import os
 import random
 import shutil
@@ -59,6 +62,7 @@ import tarfile
 import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -70,15 +74,23 @@ parser.add_argument("--budget", type=float, default=None,
                     help="seconds for the whole check, install included (default: 550; dry run: 900)")
 parser.add_argument("--parts", default=None,
                     help="only these parts, comma-separated (default: all; e.g. A,B where little GPU time is left)")
+parser.add_argument("--best", default=None, help="A-ddp's and B-ddp's setting, TOKENS:CHECKPOINTING (e.g. 65536:none), "
+                    "where no sweep row runs in this call (default: the fastest sweep row; without one, A's)")
 cli = parser.parse_args()
-# In order of value: our loop against its bare loop, every script's CUDA path, bf16 parity, then where the time goes;
-# the parts after each in ORDER keep their time (KEPT); the last four run only if time is left.
-ORDER = ["A", "B", "E", "P", "A-ddp", "B-ddp", "N", "M"]
-ALL_PARTS = ORDER + ["B-none", "C", "A-eager", "A2"]
+# In order of value: our loop against its bare loop, the sweep, DDP at its best, every script's CUDA path, bf16 parity;
+# the parts after each in ORDER keep their time (KEPT); the last two run only if time is left.
+SWEEP = ["S4x", "S4x-full", "S2x", "S2x-full", "S1x"]  # S<k>x: k x A's tokens a micro-batch; -full: full checkpointing
+ORDER = ["A", "B", *SWEEP, "A-ddp", "B-ddp", "E", "P", "M"]
+ALL_PARTS = ORDER + ["A-eager", "A2"]
 PARTS = ALL_PARTS if cli.parts is None else cli.parts.split(",")
 if set(PARTS) - set(ALL_PARTS):
     sys.exit(f"error: --parts names no part {', '.join(sorted(set(PARTS) - set(ALL_PARTS)))}: choose from "
              f"{','.join(ALL_PARTS)}")
+CHECKPOINTING = ["none", "selective", "full"]  # the lightest first
+best_given = cli.best.split(":") if cli.best else None
+if best_given and (len(best_given) != 2 or not best_given[0].isdigit() or best_given[1] not in CHECKPOINTING):
+    sys.exit(f"error: --best must be TOKENS:CHECKPOINTING, CHECKPOINTING one of {', '.join(CHECKPOINTING)}; got "
+             f"{cli.best}")
 started, clock_start = datetime.datetime.now(), time.monotonic()
 deadline = clock_start + (cli.budget or (900 if cli.dry_run else 550))
 # work: the runs, their data and logs; in memory where it has room: a qwen2-0.5b checkpoint is 4.8 GB written per run
@@ -135,11 +147,14 @@ else:
     SFT_BUCKETS, COMPILE, BACKEND = (4096, 8192), ["--compile"], "inductor"
 # After the timed steps: the profiler's warm-up step, the 3 it records, and the run's last (evaluation, checkpoint).
 TAIL, PROFILED = 5, f"{STEPS + 2}-{STEPS + 4}"
-PHASE_STEPS = 6 if cli.dry_run else 15  # a phase of the bare loop: a third to compile and settle, the rest timed
-# Each part's time bound (seconds) and the time kept for it while earlier parts run, from the H100 run of 2026-11-27
-# (a compiled qwen2-0.5b run takes 75-90 s); a part beyond its bound stops, the next ones still run.
-BOUNDS = {"A": 150, "B": 200, "A-ddp": 120, "B-ddp": 100, "N": 120, "C": 120, "M": 150, "E": 240}
-KEPT = {"A": 90, "B": 110, "A-ddp": 90, "B-ddp": 75, "N": 90, "C": 90, "M": 150, "E": 120, "P": 150, "B-none": 75,
+# Each sweep part's tokens a micro-batch and checkpointing (None: the lightest whose estimate fits this GPU).
+SWEEP_SETTINGS = {"S4x": (4 * TOKENS_PER_BATCH, None), "S4x-full": (4 * TOKENS_PER_BATCH, "full"),
+                  "S2x": (2 * TOKENS_PER_BATCH, None), "S2x-full": (2 * TOKENS_PER_BATCH, "full"),
+                  "S1x": (TOKENS_PER_BATCH, None)}
+# Each part's time bound (seconds) and the time kept for it while earlier parts run, from the H100 runs of 2026-11-27
+# (a compiled qwen2-0.5b run took 75-90 s, most of it compiling); a part beyond its bound stops, the next ones run.
+BOUNDS = {"A": 150, "B": 150, **{part: 150 for part in SWEEP}, "A-ddp": 150, "B-ddp": 120, "M": 150, "E": 240}
+KEPT = {"A": 100, "B": 95, **{part: 100 for part in SWEEP}, "A-ddp": 100, "B-ddp": 90, "E": 120, "P": 150, "M": 90,
         "A-eager": 90, "A2": 90}
 with torch.device("meta"):  # no memory: only the parameter count and shapes, for the FLOPs per token
     meta_model = modeling.build_model(MODEL)
@@ -151,7 +166,9 @@ PEAK_FLOPS = next((flops for name, flops in metrics.PEAK_BF16_FLOPS.items() if n
 # tokens: decoding and encoding again may move a cut by a token or two, which must not spill into a 31st sample).
 tokenizer = common.get_tokenizer()
 documents = tokenizer.encode_ordinary_batch(list(prepare_data.builtin_documents()))
-DOCUMENT_TOKENS, N_DOCUMENTS = 30 * (BUCKET - 1) + 1 - 16, 18
+# Enough documents that the sweep's biggest micro-batches take an epoch's steps or more before the data repeats.
+DOCUMENT_TOKENS = 30 * (BUCKET - 1) + 1 - 16
+N_DOCUMENTS = max(18, 2 + (STEPS + TAIL) * 4 * TOKENS_PER_BATCH // BUCKET // 30)
 # A conversation is its reply and 8 tokens more: the short ones fill the small bucket, the long ones are cut to the big.
 reply_tokens = [SFT_BUCKETS[0] - 24] * 12 + [SFT_BUCKETS[1] + 256] * 12
 stream, rng = [], random.Random(0)
@@ -182,13 +199,56 @@ for source, folder, kind in ((long_text, work / "text", "pretrain"), (long_chats
     meta = prepare_data.prepare(source_args, kind, folder, workers=prepare_data.available_cores(), progress=False)
     data[folder.name] = {"documents": meta["documents"], "tokens": meta["tokens"]}
 
+# ---------------------------------------------------------------------------------------------- the estimates
+# estimate_memory.py at every setting of A and the sweep, on the CPU and in the background while the first parts run:
+# a sweep part's checkpointing is the lightest whose estimate fits the GPU, and every row shows its estimate's error.
+
+
+def estimate_gb(tokens, checkpointing):
+    """estimate_memory.py's peak (GB) for fsdp2_pretrain.py on this one GPU at BUCKET; None where it failed."""
+    folder = work / f"estimate_{tokens}_{checkpointing}"
+    done = subprocess.run([sys.executable, "estimate_memory.py", "--model", MODEL, "--gpus", "1", "--strategies",
+                           "fsdp2", "--buckets", str(BUCKET), "--tokens-per-batch", str(tokens),
+                           "--activation-checkpointing", checkpointing, "--data", str(work / "text"), "--out",
+                           str(folder)], cwd=REPO, env=ENV, capture_output=True, text=True)
+    (work / f"{folder.name}.log").write_text(done.stdout + done.stderr)
+    buckets = json.loads((folder / "memory.json").read_text())["estimates"]["fsdp2"]["buckets"] \
+        if done.returncode == 0 else []
+    return buckets[0]["categories"]["Total"] / 1e9 if buckets else None
+
+
+# The settings the parts in --parts may take: A's, each sweep part's (its lightest: none or selective), and the one
+# that stands for the GPU's memory in the dry run.
+needed = {(TOKENS_PER_BATCH, "full")} if "A" in PARTS else set()
+for part, (tokens, checkpointing) in SWEEP_SETTINGS.items():
+    needed |= {(tokens, mode) for mode in ([checkpointing] if checkpointing else ["none", "selective"])
+               if part in PARTS}
+needed |= {(4 * TOKENS_PER_BATCH, "selective")} if cli.dry_run and needed else set()
+estimator = ThreadPoolExecutor(os.cpu_count() or 1)
+estimates = {setting: estimator.submit(estimate_gb, *setting) for setting in sorted(needed)}
+
+
+def estimated(tokens, checkpointing):
+    found = estimates.get((tokens, checkpointing))
+    return found.result() if found else None
+
+
+def lightest_that_fits(tokens):
+    """The lightest checkpointing whose estimate fits this GPU less the 10% estimate_memory.py keeps for the allocator
+    (the dry run, no GPU: what 4x's selective estimate fits, so that the choice takes each of its ways), or None."""
+    usable = versions["memory_gb"] * 0.9 if versions["memory_gb"] else estimated(4 * TOKENS_PER_BATCH, "selective")
+    return next((mode for mode in ("none", "selective") if (estimated(tokens, mode) or math.inf) <= (usable or 0)),
+                None)
+
+
 # ---------------------------------------------------------------------------------------------- running a part
 results = {"date": started.isoformat(timespec="seconds"), "command": " ".join([Path(sys.executable).name, *sys.argv]),
            "dry_run": cli.dry_run, "versions": versions, "model": MODEL, "parameters": N_PARAMS, "data": data,
            "parts": [], "profiles": {}}
 COLUMNS = [("part", "part"), ("configuration", "configuration"), ("tokens_per_s", "tokens/s"), ("mfu", "MFU"),
-           ("non_padding", "non-padding"), ("spread", "step spread"), ("peak_allocated_gb", "peak allocated GB"),
-           ("peak_reserved_gb", "peak reserved GB"), ("ratio", "ratio"), ("goal", "goal"), ("seconds", "s"),
+           ("gpu_busy", "GPU busy"), ("non_padding", "non-padding"), ("spread", "step spread"),
+           ("peak_allocated_gb", "peak allocated GB"), ("peak_reserved_gb", "peak reserved GB"),
+           ("estimate_gb", "estimate GB"), ("ratio", "ratio"), ("goal", "goal"), ("seconds", "s"),
            ("outcome", "outcome")]
 PROFILE_COLUMNS = ["part", "step ms", "GPU busy", "GPU idle ms / step", "longest GPU gap ms", "syncs / step",
                    "launches / step", "top operators, ms / step"]
@@ -205,9 +265,9 @@ def table():
              "| " + " | ".join(title for _, title in COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
     for row in results["parts"]:
         cells = {**row, "tokens_per_s": f"{row['tokens_per_s']:,.0f}" if row.get("tokens_per_s") else None}
-        for key in ("mfu", "non_padding", "spread"):
+        for key in ("mfu", "gpu_busy", "non_padding", "spread"):
             cells[key] = f"{row[key]:.1%}" if row.get(key) is not None else None
-        for key in ("peak_allocated_gb", "peak_reserved_gb"):
+        for key in ("peak_allocated_gb", "peak_reserved_gb", "estimate_gb"):
             cells[key] = f"{row[key]:.2f}" if row.get(key) is not None else None
         lines.append("| " + " | ".join(str(cells.get(key) or "-") for key, _ in COLUMNS) + " |")
     if results["profiles"]:
@@ -227,6 +287,8 @@ def table():
 
 def write_results():
     results["elapsed_s"] = round(time.monotonic() - clock_start, 1)
+    results["estimates_gb"] = {f"{tokens}:{mode}": found.result() for (tokens, mode), found in estimates.items()
+                               if found.done()}
     (out / "results.json").write_text(json.dumps(results, indent=2))
     (out / "results.md").write_text(table())
     traces = sorted(work.glob("*/profile/*"))
@@ -319,11 +381,12 @@ def spread(step_seconds):
     return (ordered[-1] - ordered[0]) / ordered[len(ordered) // 2]
 
 
-def read_profile(part):
-    """The part's profile.json, into the results (none: the profiled steps were not reached)."""
+def gpu_busy(part):
+    """The part's profile.json into the results; its GPU busy share (None: no GPU, or its profiled steps unreached)."""
     path = work / part / "profile" / "profile.json"
     if path.is_file():
         results["profiles"][part] = json.loads(path.read_text())
+    return results["profiles"].get(part, {}).get("gpu_busy")
 
 
 def steady_state(run_dir, bucket):
@@ -342,65 +405,75 @@ def steady_state(run_dir, bucket):
             "peak_reserved_gb": max(reserved) if reserved else None}
 
 
-PRETRAIN_FLAGS = ["--model", MODEL, "--data", work / "text", "--tokens-per-batch", TOKENS_PER_BATCH,
-                  "--max-steps", STEPS + TAIL, "--eval-every", 10**6, "--save-every", 10**6, "--val-fraction", 0.01]
+PRETRAIN_FLAGS = ["--model", MODEL, "--data", work / "text", "--max-steps", STEPS + TAIL, "--eval-every", 10**6,
+                  "--save-every", 10**6, "--val-fraction", 0.01]
 rows_of = {}  # part -> its first row, for the ratios of the parts after it
 
 
-def pretrain(part, script, bucket, *flags, profile=False):
+def setting(tokens, checkpointing):
+    return f"{tokens:,} tokens a micro-batch, {'no' if checkpointing == 'none' else checkpointing} checkpointing"
+
+
+def pretrain(part, script, bucket, *flags, tokens=TOKENS_PER_BATCH, checkpointing="full"):
+    """A training script's run at a setting (checkpointing None: the lightest that fits), profiled after its timing."""
     def measure(until):
-        launch(part, torchrun(script, *PRETRAIN_FLAGS, "--buckets", bucket, *flags, "--out-dir", work / part,
-                              profile=part if profile else None), until)
+        chosen = checkpointing or lightest_that_fits(tokens)
+        if chosen is None:
+            found = ", ".join(f"{mode} {estimated(tokens, mode) or 0:.1f} GB" for mode in ("none", "selective"))
+            return [{"outcome": f"skipped: only full checkpointing fits (estimated: {found}); see {part}-full"}]
+        launch(part, torchrun(script, *PRETRAIN_FLAGS, "--buckets", bucket, "--tokens-per-batch", tokens,
+                              "--activation-checkpointing", chosen, *flags, "--out-dir", work / part, profile=part),
+               until)
         shutil.rmtree(work / part / "checkpoints", ignore_errors=True)  # 4.8 GB each at qwen2-0.5b
-        read_profile(part)
-        return [steady_state(work / part, bucket)]
+        return [{**steady_state(work / part, bucket), "gpu_busy": gpu_busy(part), "tokens_per_batch": tokens,
+                 "checkpointing": chosen, "estimate_gb": estimated(tokens, chosen) if bucket == BUCKET else None,
+                 "configuration": f"{script}, bucket {bucket}, {setting(tokens, chosen)}, {compiled(flags)}"}]
     return measure
 
 
-def bare_loop(part, strategy, *flags, profile=False):
-    """The bare loop at A's setting: its main row, then a row per phase of --compile-more."""
+def bare_loop(part, strategy, tokens=TOKENS_PER_BATCH, checkpointing="full"):
+    """The bare loop at a setting of A's, profiled after its timing."""
     def measure(until):
-        failed = None
-        try:
-            output = launch(part, torchrun("benchmarks/baselines.py", "bare", "--strategy", strategy, "--model", MODEL,
-                                           "--data", work / "text", "--buckets", BUCKET, "--tokens-per-batch",
-                                           TOKENS_PER_BATCH, "--steps", STEPS, "--skip", SKIP, "--tail", TAIL,
-                                           "--phase-steps", PHASE_STEPS, "--compile-backend", BACKEND,
-                                           "--out-dir", work / part, *COMPILE, *flags,
-                                           profile=part if profile else None), until)
-        except PartFailed as failure:  # a compile phase that fails keeps the rows before it
-            output, failed = (work / f"{part}.log").read_text(errors="replace"), failure
-            if "\nresult " not in output:
-                raise
-        read_profile(part)
+        output = launch(part, torchrun("benchmarks/baselines.py", "bare", "--strategy", strategy, "--model", MODEL,
+                                       "--data", work / "text", "--buckets", BUCKET, "--tokens-per-batch", tokens,
+                                       "--activation-checkpointing", checkpointing, "--steps", STEPS, "--skip", SKIP,
+                                       "--tail", TAIL, "--out-dir", work / part, *COMPILE, profile=part), until)
         found = json.loads(next(line for line in output.splitlines() if line.startswith("result "))[len("result "):])
-        rows = [{key: found[key] for key in ("tokens_per_s", "non_padding", "peak_allocated_gb", "peak_reserved_gb")}]
-        rows[0].update(mfu=mfu(found["tokens_per_s"], BUCKET), spread=spread(found["step_seconds"]))
-        for line in output.splitlines():
-            if line.startswith("phase "):
-                phase = json.loads(line[len("phase "):])
-                rows.append({"configuration": f"the bare loop above, its {phase['compiled']} compiled too",
-                             "tokens_per_s": phase["tokens_per_s"], "mfu": mfu(phase["tokens_per_s"], BUCKET),
-                             "spread": spread(phase["step_seconds"]), "peak_allocated_gb": phase["peak_allocated_gb"],
-                             "peak_reserved_gb": phase["peak_reserved_gb"],
-                             "ratio": f"/ the row above = {phase['tokens_per_s'] / rows[-1]['tokens_per_s']:.2f}"})
-        if failed:
-            rows.append({"configuration": "the bare loop's next compile phase", "outcome": f"failed: {failed}"})
-        return rows
+        kept = ("tokens_per_s", "non_padding", "peak_allocated_gb", "peak_reserved_gb")
+        return [{**{key: found[key] for key in kept}, "mfu": mfu(found["tokens_per_s"], BUCKET),
+                 "spread": spread(found["step_seconds"]), "gpu_busy": gpu_busy(part), "tokens_per_batch": tokens,
+                 "checkpointing": checkpointing}]
     return measure
+
+
+def best_setting():
+    """A-ddp's setting: --best where given, else the fastest row of A and the sweep in this call, else A's."""
+    if best_given:
+        return int(best_given[0]), best_given[1]
+    measured = [row for row in results["parts"] if row["part"] in ("A", *SWEEP) and row["outcome"] == "ok"]
+    fastest = max(measured, key=lambda row: row["tokens_per_s"], default=None)
+    if fastest:
+        RATIOS.append((fastest["part"], "A-ddp"))  # FSDP2 against DDP at one setting: FSDP2's own cost on one rank
+    return (fastest["tokens_per_batch"], fastest["checkpointing"]) if fastest else (TOKENS_PER_BATCH, "full")
 
 
 # The ratios of the table: a part's tokens/s over another's, on the first one's row, once both have run.
-RATIOS = [("A", "B"), ("B", "B-ddp"), ("A-ddp", "B-ddp"), ("N", "A"), ("N", "B-none"), ("C", "A"), ("A-eager", "A")]
-BARE_OF = {"A": "B", "A-ddp": "B-ddp", "N": "B-none"}  # a script's part: its bare loop's at the same setting
+RATIOS = [("A", "B"), ("A-ddp", "B-ddp"), ("A-eager", "A"), *[(part, "A") for part in SWEEP]]
+BARE_OF = {"A": "B", "A-ddp": "B-ddp"}  # a script's part: its bare loop's at the same setting
+FITS_24_GB = 24 * 2**30 * 0.9 / 1e9  # estimate_memory.py's rule: 24 GiB less the 10% kept for the allocator
 
 
 def goals(row):
-    """A speed row's goals: MFU 40% where it fits 24 GB; within 5% of its bare loop; step times within 10%."""
-    found = []
-    if row["part"] in ("A", "N", "C") and row.get("peak_reserved_gb") is not None:
-        found.append(f"MFU >= 40%: {'met' if row['mfu'] >= 0.40 else 'NOT met'}" if row["peak_reserved_gb"] < 24
-                     else "over 24 GB")
+    """A speed row's goals: MFU 45%, and 40% where the estimate fits 24 GB; within 5% of its bare loop; step times
+    within 10%; the estimate within 10% of the run's peak allocated memory."""
+    found, on_gpu = [], row.get("peak_reserved_gb") is not None
+    if on_gpu and row["part"] in ("A", *SWEEP):
+        found.append(f"MFU >= 45%: {'met' if row['mfu'] >= 0.45 else 'NOT met'}")
+        if (row.get("estimate_gb") or math.inf) <= FITS_24_GB:
+            found.append(f"fits 24 GB, MFU >= 40%: {'met' if row['mfu'] >= 0.40 else 'NOT met'}")
+    if on_gpu and row.get("estimate_gb"):
+        met = abs(row["estimate_gb"] / row["peak_allocated_gb"] - 1) <= 0.1
+        found.append(f"estimate within 10%: {'met' if met else 'NOT met'}")
     bare = rows_of.get(BARE_OF.get(row["part"]), {})
     if bare.get("outcome") == "ok":
         met = row["tokens_per_s"] / bare["tokens_per_s"] >= 0.95
@@ -415,10 +488,9 @@ def measure_part(name, configuration, measure, **kwargs):
     for row in results["parts"]:
         if row["outcome"] != "ok" or not row.get("tokens_per_s"):
             continue
-        if row is rows_of.get(row["part"]):  # a part's first row (not a bare loop's phase): its ratios
-            row["ratio"] = "; ".join(f"{first} / {other} = {row['tokens_per_s'] / rows_of[other]['tokens_per_s']:.2f}"
-                                     for first, other in RATIOS if first == row["part"]
-                                     and rows_of.get(other, {}).get("outcome") == "ok") or None
+        row["ratio"] = "; ".join(f"{first} / {other} = {row['tokens_per_s'] / rows_of[other]['tokens_per_s']:.2f}"
+                                 for first, other in RATIOS if first == row["part"]
+                                 and rows_of.get(other, {}).get("outcome") == "ok") or None
         row["goal"] = goals(row)
     write_results()
 
@@ -426,7 +498,7 @@ def measure_part(name, configuration, measure, **kwargs):
 def memory_estimates(until):
     """estimate_memory.py's estimate beside one real step on this GPU (--check-on-gpu), per strategy and bucket."""
     found = []
-    for strategy, folder, bucket in (("fsdp2", "text", BUCKET), ("sft", "chats", SFT_BUCKETS[1])):
+    for strategy, folder, bucket in (("sft", "chats", SFT_BUCKETS[1]),):  # pretraining's: beside A and the sweep
         out = work / f"M_{strategy}"
         launch(f"M_{strategy}", [sys.executable, "estimate_memory.py", "--model", MODEL, "--gpus", 1, "--strategies",
                                  strategy, "--buckets", bucket, "--data", work / folder, "--out", out,
@@ -497,27 +569,28 @@ def parity_rows(until):
 
 
 # ---------------------------------------------------------------------------------------------- the parts
-compiled = "--compile" if COMPILE else "eager"
-measure_part("A", f"fsdp2_pretrain.py, bucket {BUCKET}, full checkpointing, {compiled}",
-             pretrain("A", "fsdp2_pretrain.py", BUCKET, *COMPILE, profile=True))
-measure_part("B", f"bare loop as FSDP2, bucket {BUCKET}, full checkpointing, {compiled}",
-             bare_loop("B", "fsdp2", "--compile-more", "optimizer", profile=True))
+def compiled(flags):
+    return "--compile" if "--compile" in flags else "eager"
+
+
+measure_part("A", f"fsdp2_pretrain.py, bucket {BUCKET}, {setting(TOKENS_PER_BATCH, 'full')}, {compiled(COMPILE)}",
+             pretrain("A", "fsdp2_pretrain.py", BUCKET, *COMPILE))
+measure_part("B", f"bare loop as FSDP2, bucket {BUCKET}, {setting(TOKENS_PER_BATCH, 'full')}, {compiled(COMPILE)}",
+             bare_loop("B", "fsdp2"))
+for part, (tokens, checkpointing) in SWEEP_SETTINGS.items():
+    measure_part(part, f"fsdp2_pretrain.py, bucket {BUCKET}, {setting(tokens, checkpointing or 'the lightest')}",
+                 pretrain(part, "fsdp2_pretrain.py", BUCKET, *COMPILE, tokens=tokens, checkpointing=checkpointing))
+best_tokens, best_checkpointing = best_setting()
+measure_part("A-ddp", f"ddp_pretrain.py, bucket {BUCKET}, {setting(best_tokens, best_checkpointing)}",
+             pretrain("A-ddp", "ddp_pretrain.py", BUCKET, *COMPILE, tokens=best_tokens,
+                                                  checkpointing=best_checkpointing))
+measure_part("B-ddp", f"bare loop as DDP, bucket {BUCKET}, {setting(best_tokens, best_checkpointing)}, "
+             f"{compiled(COMPILE)}", bare_loop("B-ddp", "ddp", best_tokens, best_checkpointing))
 run_part("E", "tests/test_cuda.py: every training script, tiny, bf16, 1 GPU, one with --compile", cuda_tests)
 run_part("P", f"parity.py: the single-GPU rows against DDP, {PARITY_DTYPE}", parity_rows)
-measure_part("A-ddp", f"ddp_pretrain.py, bucket {BUCKET}, full checkpointing, {compiled}",
-             pretrain("A-ddp", "ddp_pretrain.py", BUCKET, *COMPILE, profile=True))
-measure_part("B-ddp", f"bare loop as DDP, bucket {BUCKET}, full checkpointing, {compiled}", bare_loop("B-ddp", "ddp"))
-measure_part("N", f"fsdp2_pretrain.py, bucket {BUCKET}, no checkpointing, {compiled}",
-             pretrain("N", "fsdp2_pretrain.py", BUCKET, "--activation-checkpointing", "none", *COMPILE))
-run_part("M", "estimate_memory.py --check-on-gpu: FSDP2 and the SFT", memory_estimates, goal=memory_goal)
-if not cli.dry_run:  # the bare loop without checkpointing, selective checkpointing, eager and the next bucket down:
-    # parts whose plumbing the dry run's B and N prove
-    measure_part("B-none", f"bare loop as FSDP2, bucket {BUCKET}, no checkpointing, {compiled}",
-                 bare_loop("B-none", "fsdp2", "--activation-checkpointing", "none"))
-    measure_part("C", f"fsdp2_pretrain.py, bucket {BUCKET}, selective checkpointing, {compiled}",
-                 pretrain("C", "fsdp2_pretrain.py", BUCKET, "--activation-checkpointing", "selective", *COMPILE))
-    measure_part("A-eager", f"fsdp2_pretrain.py, bucket {BUCKET}, full checkpointing, eager",
-                 pretrain("A-eager", "fsdp2_pretrain.py", BUCKET))
-    measure_part("A2", f"fsdp2_pretrain.py, bucket {SECOND_BUCKET}, full checkpointing, {compiled}",
+run_part("M", "estimate_memory.py --check-on-gpu: the SFT", memory_estimates, goal=memory_goal)
+if not cli.dry_run:  # eager and the next bucket down: parts whose plumbing the dry run's A proves
+    measure_part("A-eager", "fsdp2_pretrain.py, eager", pretrain("A-eager", "fsdp2_pretrain.py", BUCKET))
+    measure_part("A2", f"fsdp2_pretrain.py, bucket {SECOND_BUCKET}",
                  pretrain("A2", "fsdp2_pretrain.py", SECOND_BUCKET, *COMPILE))
 print("\n" + table(), flush=True)

@@ -1,8 +1,9 @@
-"""benchmarks/gpu_check.py --dry-run: the prepared GPU check's whole sequence on the CPU (tiny preset, fp32, gloo, a few
-steps, nothing compiled but with torch.compile's eager backend), so that the command a lent GPU runs first cannot rot
-between draws. Every part runs and writes its figures: the pretraining parts on data that fills the bucket, the bare
-loops (FSDP2 and DDP) and a compile phase, the ratios and goals, the profiles of three parts, the memory estimate,
-tests/test_cuda.py collected (and skipped: no CUDA here), and parity.py's single-GPU rows."""
+"""benchmarks/gpu_check.py --dry-run: the prepared GPU check's sequence on the CPU (tiny preset, fp32, gloo, a few
+steps, nothing compiled), so that the command a lent GPU runs first cannot rot between draws. Each function of the
+check runs once and writes its figures: A and the bare loops (FSDP2 and DDP) on data that fills the bucket, the sweep
+(its checkpointing chosen by the memory estimates, which run beside it), DDP at the fastest setting, the ratios and
+goals, every speed part's profile, tests/test_cuda.py collected (and skipped: no CUDA here), parity.py's single-GPU
+rows and the SFT's memory estimate."""
 import getpass
 import json
 import os
@@ -20,11 +21,17 @@ INDUCTOR_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR",
                                 os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
 
 
+# The parts the suite runs: each function of the check once, both ways of the sweep's choice of checkpointing (S4x:
+# selective, S2x: none); S4x-full, S2x-full and S1x are the same function with other numbers, shown skipped.
+PARTS = "A,B,S4x,S2x,A-ddp,B-ddp,E,P,M"
+
+
 def start_dry_run():
     """Start the dry run in the background: conftest.py does, beside the tests that leave a core idle."""
     folder = Path(tempfile.mkdtemp(prefix="gpu-check-dry-run-"))
     with open(folder / "stdout", "w") as stdout, open(folder / "stderr", "w") as stderr:
-        process = subprocess.Popen([PYTHON, "benchmarks/gpu_check.py", "--dry-run", "--out", folder / "out"], cwd=REPO,
+        process = subprocess.Popen([PYTHON, "benchmarks/gpu_check.py", "--dry-run", "--parts", PARTS, "--out",
+                                    folder / "out"], cwd=REPO,
                                    env={**os.environ, "TMPDIR": str(folder), "TORCHINDUCTOR_CACHE_DIR": INDUCTOR_CACHE},
                                    stdout=stdout, stderr=stderr, text=True)
     DRY_RUN.update(folder=folder, process=process)
@@ -39,46 +46,62 @@ def test_dry_run_measures_every_part_and_writes_its_table():
                                                (folder / "stderr").read_text()))
     results = json.loads((out / "results.json").read_text())
     rows = results["parts"]
-    assert [row["part"] for row in rows] == ["A", "B", "B", "E", "P", "P", "P", "A-ddp", "B-ddp", "N", "M", "M"]
+    assert [row["part"] for row in rows] == ["A", "B", "S4x", "S4x-full", "S2x", "S2x-full", "S1x", "A-ddp", "B-ddp",
+                                             "E", "P", "P", "P", "M"]
+    skipped = [row for row in rows if row["part"] in ("S4x-full", "S2x-full", "S1x")]
+    assert all(row["outcome"] == "skipped: not in --parts" for row in skipped)
+    rows = [row for row in rows if row not in skipped]
     assert all(row["outcome"].startswith("ok") for row in rows), rows
     speed = [row for row in rows if row.get("tokens_per_s")]
-    assert len(speed) == 6
+    assert [row["part"] for row in speed] == ["A", "B", "S4x", "S2x", "A-ddp", "B-ddp"]
     for row in speed:
         assert row["tokens_per_s"] > 0 and row["peak_allocated_gb"] > 0 and row["spread"] >= 0
         assert row["mfu"] is None and row["peak_reserved_gb"] is None  # a CPU: no peak FLOP/s, no CUDA allocator
+        assert row["gpu_busy"] is None and row["non_padding"] > 0.9  # no GPU to be busy; the data fills the bucket
         assert "spread <= 10%" in row["goal"]
-    assert all(row["non_padding"] > 0.9 for row in speed if "compiled too" not in row["configuration"])  # buckets full
-    by_part = {row["part"]: row for row in reversed(rows)}  # each part's first row
+    by_part = {row["part"]: row for row in speed}
     assert by_part["A"]["ratio"] == f"A / B = {by_part['A']['tokens_per_s'] / by_part['B']['tokens_per_s']:.2f}"
     assert by_part["A"]["goal"].startswith("within 5% of B: ")
-    assert by_part["A-ddp"]["ratio"].startswith("A-ddp / B-ddp = ") and by_part["B"]["ratio"].startswith("B / B-ddp")
-    assert by_part["N"]["ratio"] == f"N / A = {by_part['N']['tokens_per_s'] / by_part['A']['tokens_per_s']:.2f}"
-    # The bare loop's phase: the optimizer step compiled too (the eager backend).
-    assert rows[2]["configuration"] == "the bare loop above, its optimizer compiled too"
-    assert rows[2]["ratio"].startswith("/ the row above = ")
-    # The memory estimate's plumbing: FSDP2's and the SFT's estimate on the CPU (no GPU: nothing to hold it against).
-    assert [row["configuration"].split(":")[0] for row in rows[10:12]] == [
-        "estimate_memory.py fsdp2, bucket 128", "estimate_memory.py sft, bucket 256"]
-    assert all(row["ratio"] is None and " GB" in row["configuration"] for row in rows[10:12])
-    assert rows[3]["outcome"] == "ok: 0 passed, 0 failed, 11 skipped of 11"  # every script's CUDA test, collected
+    # The sweep: 4x and 2x A's tokens a micro-batch, each under the lightest checkpointing its estimate fits in the
+    # memory the dry run stands for the GPU's (4x's selective estimate): at 4x selective, at 2x none.
+    estimates = {key: value for key, value in results["estimates_gb"].items()}
+    assert set(estimates) == {"512:full", "2048:none", "2048:selective", "1024:none", "1024:selective"}
+    assert estimates["2048:none"] > estimates["2048:selective"] >= estimates["1024:none"] > estimates["512:full"] > 0
+    for part, tokens, checkpointing in (("A", 512, "full"), ("S4x", 2048, "selective"), ("S2x", 1024, "none")):
+        row = by_part[part]
+        assert (row["tokens_per_batch"], row["checkpointing"]) == (tokens, checkpointing)
+        assert row["estimate_gb"] == estimates[f"{tokens}:{checkpointing}"]
+        assert f"{tokens:,} tokens a micro-batch" in row["configuration"]
+    assert by_part["S4x"]["ratio"].startswith("S4x / A = ")
+    # DDP at the fastest setting of A and the sweep, beside its bare loop there; the fastest FSDP2 row / A-ddp.
+    fastest = max((by_part[part] for part in ("A", "S4x", "S2x")), key=lambda row: row["tokens_per_s"])
+    for part in ("A-ddp", "B-ddp"):
+        assert (by_part[part]["tokens_per_batch"], by_part[part]["checkpointing"]) == (
+            fastest["tokens_per_batch"], fastest["checkpointing"])
+    assert by_part["A-ddp"]["ratio"] == (f"A-ddp / B-ddp = "
+                                         f"{by_part['A-ddp']['tokens_per_s'] / by_part['B-ddp']['tokens_per_s']:.2f}")
+    assert f"{fastest['part']} / A-ddp = " in fastest["ratio"]
+    # The memory estimate's plumbing: the SFT's on the CPU (no GPU: nothing to hold it against).
+    assert rows[-1]["configuration"].startswith("estimate_memory.py sft, bucket 256: estimate ")
+    assert rows[-1]["ratio"] is None
+    assert rows[6]["outcome"] == "ok: 0 passed, 0 failed, 11 skipped of 11"  # every script's CUDA test, collected
     # parity.py's single-GPU rows, here on the CPU in fp32: each script against DDP on one process.
-    assert [row["configuration"].split(":")[0] for row in rows[4:7]] == [
+    assert [row["configuration"].split(":")[0] for row in rows[7:10]] == [
         f"parity.py {script}, world 1, fp32, 6 steps" for script in ("fsdp1_pretrain.py", "fsdp2_pretrain.py",
                                                                      "fsdp2_3d_pretrain.py")]
-    assert all(row["goal"] == "within 1e-05: met" for row in rows[4:7]), rows[4:7]
-    # The profiles of A, B and A-ddp: three steps after the timed ones, each step's host time (no GPU to be busy).
-    assert sorted(results["profiles"]) == ["A", "A-ddp", "B"]
+    assert all(row["goal"] == "within 1e-05: met" for row in rows[7:10]), rows[7:10]
+    # Every speed part is profiled: three steps after the timed ones, each step's host time (no GPU to be busy).
+    assert sorted(results["profiles"]) == sorted(by_part)
     for profile in results["profiles"].values():
         assert profile["steps"] == [8, 10] and len(profile["step_ms_each"]) == 3 and profile["step_ms"] > 0
         assert profile["gpu_busy"] is None and profile["syncs"] == 0 and profile["time_of"] == "host"
         assert "aten::mm" in [op["name"] for op in profile["top_operators"]]  # the matmuls: most of a CPU's time
     table = (out / "results.md").read_text()
-    assert len([line for line in table.splitlines() if line.startswith("|")]) == 2 + len(rows) + 2 + 3
+    assert len([line for line in table.splitlines() if line.startswith("|")]) == 2 + len(results["parts"]) + 2 + 6
     assert result.stdout.rstrip().endswith(table.rstrip().splitlines()[-1])  # the tables are printed last
     with tarfile.open(out / "logs.tar.gz") as logs:
         names = set(logs.getnames())
-    assert {"A.log", "B.log", "A-ddp.log", "B-ddp.log", "N.log", "M_fsdp2.log", "M_sft.log", "E_tests.log",
-            "P.log"} <= names
-    assert {f"{part}/profile/{name}" for part in ("A", "B", "A-ddp") for name in ("trace.json.gz", "profile.json")} \
-        <= names
+    assert {"A.log", "B.log", "S4x.log", "S2x.log", "A-ddp.log", "B-ddp.log", "M_sft.log", "E_tests.log", "P.log",
+            "estimate_2048_selective.log"} <= names
+    assert {f"{part}/profile/{name}" for part in by_part for name in ("trace.json.gz", "profile.json")} <= names
     shutil.rmtree(folder)  # kept where the test fails, to be read

@@ -8,6 +8,7 @@
 --data: folders of prepare_data.py (`python prepare_data.py` writes data/builtin; its docstring, data/fineweb-edu).
 """
 import json
+import math
 import os
 import shutil
 import time
@@ -39,7 +40,7 @@ PRESETS = {
                  eval_every=10, save_every=10),
     "small": dict(buckets=[32, 48, 64, 96, 128, 192, 256], tokens_per_batch=1024, lr=3e-3, warmup_steps=10,
                   max_steps=60, eval_every=20, save_every=20),
-    "qwen2-0.5b": dict(buckets=[256, 512, 1024, 1536, 2048], tokens_per_batch=16384, lr=3e-4, warmup_steps=200,
+    "qwen2-0.5b": dict(buckets=[256, 512, 1024, 1536, 2048], tokens_per_batch=65536, lr=3e-4, warmup_steps=200,
                        max_steps=5000, eval_every=250, save_every=500),
 }
 
@@ -196,9 +197,10 @@ fsdp_mesh = mesh["dp_replicate", "dp_shard_cp"] if args.dp_replicate > 1 else me
 for layer in model.model.layers:  # one unit per decoder layer: only one layer is ever gathered at a time
     fully_shard(layer, mesh=fsdp_mesh, mp_policy=mixed_precision, reshard_after_forward=args.reshard_after_forward)
 fully_shard(model, mesh=fsdp_mesh, mp_policy=mixed_precision)  # the root: embedding, tied head, final norm
-# Each local shard's share of the norm: every replica holds it, and every tp rank holds what TP does not split.
-norm_shares = torch.tensor([1 / args.dp_replicate / (1 if "tp" in p.device_mesh.mesh_dim_names else args.tp)
-                            for p in model.parameters()], device=device)
+# Each local shard's share of the norm: 1 / the ranks holding that shard, from its placements: those along each mesh
+# dimension it is replicated on, and every rank off its mesh (the embedding and norms, on the dp mesh: every tp rank).
+norm_shares = torch.tensor([p.device_mesh.size() / world_size / math.prod(size for size, placement in zip(
+    p.device_mesh.shape, p.placements) if placement.is_replicate()) for p in model.parameters()], device=device)
 
 # ---------------------------------------------------------------------------------------------- optimizer
 # Matrices decay; biases and norm gains do not: decided by name, the same rule in every script.
@@ -229,12 +231,13 @@ def train_step(batches, target_tokens):
     # Every gradient's norm in one foreach kernel, in fp64: on a CPU fp32 drifts ~1e-4 on big tensors (pytorch#169237).
     # Over local shards (DTensors on two meshes cannot be stacked, pytorch#180346), each squared norm times its share;
     # one all-reduce over all ranks adds them up.
-    norms = torch._foreach_norm([p.grad.to_local() for p in model.parameters()], 2, torch.float64)
+    local_grads = [p.grad.to_local() for p in model.parameters()]
+    norms = torch._foreach_norm(local_grads, 2, torch.float64)
     grad_norm = (torch.stack(norms).square() * norm_shares).sum()
     dist.all_reduce(grad_norm)
     grad_norm = grad_norm.sqrt().float()
-    # One tensor at a time: a foreach kernel cannot take DTensors of two meshes either.
-    torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.grad_clip or float("inf"), grad_norm, foreach=False)
+    # Clipped as clip_grads_with_norm_ does, the local shards in one foreach kernel (DTensors on two meshes: op by op).
+    torch._foreach_mul_(local_grads, ((args.grad_clip or float("inf")) / (grad_norm + 1e-6)).clamp(max=1.0))
     return loss_sum, grad_norm
 
 

@@ -35,7 +35,7 @@ PRESETS = {
                  eval_every=10, save_every=10),
     "small": dict(buckets=[32, 48, 64, 96, 128, 192, 256], tokens_per_batch=1024, lr=3e-3, warmup_steps=10,
                   max_steps=60, eval_every=20, save_every=20),
-    "qwen2-0.5b": dict(buckets=[256, 512, 1024, 1536, 2048], tokens_per_batch=16384, lr=3e-4, warmup_steps=200,
+    "qwen2-0.5b": dict(buckets=[256, 512, 1024, 1536, 2048], tokens_per_batch=65536, lr=3e-4, warmup_steps=200,
                        max_steps=5000, eval_every=250, save_every=500),
 }
 

@@ -219,3 +219,10 @@ def test_ruff_finds_nothing():
     result = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=REPO, capture_output=True,
                             text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("document, limit", [("README.md", 16_500), ("BENCHMARKS.md", 20_000)])
+def test_the_documents_stay_within_their_size(document, limit):
+    """README is read first; BENCHMARKS keeps the latest GPU run and the one before (older ones: git history)."""
+    size = (REPO / document).stat().st_size
+    assert size <= limit, f"{document} is {size:,} bytes, over {limit:,}: move the detail to docs/ or to git"

@@ -10,13 +10,17 @@ them).
 A row runs its script on `world` ranks with --grad-accum making up the ranks that read the same samples (tp, cp, pp),
 so each step takes world batches, as DDP's reference of that world does (DDP on 2 processes, --grad-accum world / 2,
 made once per world); a row of world W runs --steps x 2 / W steps, the samples of --steps at world 2. Exit status 1
-when a row's loss or gradient norm differs from DDP's by more than --tolerance (relative where DDP's value is above 1)
-at some step, or a run fails: one line per such row, naming it and the columns.
+when a row's loss, gradient norm or validation loss differs from DDP's by more than --tolerance (relative where DDP's
+value is above 1) or is not a number at some step, when it trains fewer buckets than DDP or no step past the warmup,
+or a run fails: one line per such row, naming it and the columns. A finished run is reused while its command, its code
+(the script and every module it imports), torch's version and the device are the same.
 """
 import hashlib
+import importlib.metadata
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -40,7 +44,8 @@ ROWS = {
     "3d cp 2 x tp 2": ("fsdp2_3d_pretrain.py", ["--cp", "2", "--tp", "2"], 4, (4,)),
     "3d 2 x 2 x 2": ("fsdp2_3d_pretrain.py", ["--dp-replicate", "2", "--cp", "2", "--tp", "2"], 4, (8,)),
 }
-COLUMNS = ["max |loss - DDP|", "max |grad norm - DDP|", "val loss", "buckets", "seconds"]
+COMPARED = ["max |loss - DDP|", "max |grad norm - DDP|", "max |val loss - DDP|"]  # each within --tolerance
+COLUMNS = [*COMPARED, "val loss", "buckets", "seconds"]
 BUCKETS = "32,64,128"  # few, so that the last one comes early: every world size trains each of them
 
 
@@ -50,8 +55,9 @@ def parse_args(argv=None):
                         "as one row with no flags of its own (a fork of a pretraining script)")
     parser.add_argument("--world", type=common.COUNT, nargs="+", default=None, help="the world sizes to run (default: "
                         "each row's own; with --scripts, 2), each even, or 1 with --scripts")
-    parser.add_argument("--steps", type=common.COUNT, default=16, help="steps at world 2 (world W: x 2 / W): the "
-                        "buckets come shortest first, and on the built-in data every world size reaches the last")
+    parser.add_argument("--steps", type=common.COUNT, default=24, help="steps at world 2 (world W: x 2 / W): the "
+                        "buckets come shortest first, and on the built-in data every world size reaches the last and "
+                        "trains beyond the warmup (5 steps)")
     parser.add_argument("--data", default="data/builtin", help="a prepared folder (`python prepare_data.py`)")
     parser.add_argument("--tolerance", type=common.number(float, 0), default=1e-5, help="the largest difference from "
                         "DDP a row may show in loss or grad norm (relative above 1)")
@@ -86,16 +92,36 @@ def planned_rows(args):
     return rows
 
 
+def sources(script):
+    """{path: sha256} of SCRIPT and of every module it imports from its own folder or this checkout, through each
+    other too: the code that decides its numbers."""
+    found, todo = {}, [Path(script).resolve()]
+    while todo:
+        path = todo.pop()
+        if str(path) not in found:
+            found[str(path)] = hashlib.sha256(path.read_bytes()).hexdigest()
+            names = re.findall(r"^\s*(?:from|import)\s+(\w+)", path.read_text(), flags=re.MULTILINE)
+            todo += [folder / f"{name}.py" for name in names for folder in (path.parent, REPO)
+                     if (folder / f"{name}.py").is_file()]
+    return found
+
+
+def run_key(script, command, device):
+    """What a finished run is reused for: the same command, code (sources), torch and device. The dtype is a flag."""
+    return {"command": command, "sources": sources(REPO / script), "torch": importlib.metadata.version("torch"),
+            "device": device}
+
+
 def run(script, flags, nproc, steps, out_dir, args):
-    """SCRIPT on NPROC ranks under torchrun into OUT_DIR (kept when it already holds this command's finished run, the
-    script's bytes the same): (seconds, exit status, the last line of its error output)."""
+    """SCRIPT on NPROC ranks under torchrun into OUT_DIR, unless OUT_DIR holds a finished run of the same run_key:
+    (seconds, exit status, the last line of its error output, whether it was reused)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
                "--model", "tiny", "--dtype", args.dtype, "--data", args.data, "--max-steps", str(steps),
                "--eval-every", str(steps), "--save-every", str(steps), "--buckets", BUCKETS, "--bucket-order",
                "ascending", "--val-fraction", "0.002", *flags, "--out-dir", str(out_dir)]
-    done, source = out_dir / "parity-command.json", hashlib.sha256((REPO / script).read_bytes()).hexdigest()
-    if done.is_file() and json.loads(done.read_text()) == [source, *command[1:]]:
-        return json.loads((out_dir / "parity-seconds.json").read_text()), 0, ""
+    done, key = out_dir / "parity-run.json", run_key(script, command[1:], args.device)
+    if done.is_file() and json.loads(done.read_text()) == key:
+        return json.loads((out_dir / "parity-seconds.json").read_text()), 0, "", True
     shutil.rmtree(out_dir, ignore_errors=True)  # a run that failed or ran another command
     start = time.perf_counter()
     python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # a fork elsewhere too
@@ -105,10 +131,10 @@ def run(script, flags, nproc, steps, out_dir, args):
     seconds = time.perf_counter() - start
     if result.returncode == 0:
         (out_dir / "parity-seconds.json").write_text(json.dumps(seconds))
-        done.write_text(json.dumps([source, *command[1:]]))
+        done.write_text(json.dumps(key))
     lines = result.stderr.splitlines()
     errors = [line for line in lines if line.startswith("error: ")] or [line for line in lines if "Error" in line]
-    return seconds, result.returncode, (errors or lines or [""])[-1].strip()
+    return seconds, result.returncode, (errors or lines or [""])[-1].strip(), False
 
 
 def read_steps(out_dir):
@@ -123,19 +149,40 @@ def difference(value, reference):
     return abs(value - reference) / max(1.0, abs(reference))
 
 
+def largest(differences):
+    """The largest difference; NaN where any is NaN (max() would drop a NaN after the first element)."""
+    differences = list(differences)
+    return math.nan if any(map(math.isnan, differences)) else max(differences, default=math.inf)
+
+
 def compare(out_dir, reference_dir, steps=None):
-    """{column: value} of a run against DDP's over STEPS (default: every step DDP logged): the largest loss and grad
-    norm differences (relative where DDP's value is above 1; a step the run did not log, or logged in another bucket,
-    counts as infinite), its last validation loss and the buckets its steps trained."""
-    (train, val), (reference, _) = read_steps(out_dir), read_steps(reference_dir)
+    """{column: value} of a run against DDP's over STEPS (default: every step DDP logged): the largest loss, grad norm
+    and validation loss differences (relative where DDP's value is above 1; a step the run did not log, or logged in
+    another bucket, counts as infinite), its last validation loss, and the buckets its steps and DDP's trained."""
+    (train, val), (reference, reference_val) = read_steps(out_dir), read_steps(reference_dir)
+    steps = list(steps or reference)
 
-    def largest(metric):
-        return max(difference(train[s][metric], reference[s][metric])
-                   if s in train and train[s]["bucket_len"] == reference[s]["bucket_len"] else math.inf
-                   for s in steps or reference)
+    def differences(metric):
+        return largest(difference(train[s][metric], reference[s][metric])
+                       if s in train and train[s]["bucket_len"] == reference[s]["bucket_len"] else math.inf
+                       for s in steps)
 
-    return {"max |loss - DDP|": largest("loss"), "max |grad norm - DDP|": largest("grad_norm"),
-            "val loss": val[max(val)] if val else None, "buckets": len({row["bucket_len"] for row in train.values()})}
+    return {"max |loss - DDP|": differences("loss"), "max |grad norm - DDP|": differences("grad_norm"),
+            "max |val loss - DDP|": largest(difference(val[s], reference_val[s]) if s in val else math.inf
+                                            for s in reference_val if s <= max(steps)),
+            "val loss": val[max(val)] if val else None, "buckets": len({row["bucket_len"] for row in train.values()}),
+            "DDP buckets": len({reference[s]["bucket_len"] for s in steps})}
+
+
+def failed_checks(row, warmup_steps, tolerance):
+    """What fails a compared row: a difference over the tolerance or not a number, fewer buckets than DDP's, or every
+    step inside the warmup (where the learning rate is small, so is any difference)."""
+    failed = [f"{column} is {row[column]:.1e}" for column in COMPARED if not row[column] <= tolerance]  # NaN too
+    failed = [f"{', '.join(failed)}, over --tolerance {tolerance:g}"] if failed else []
+    if row["buckets"] < row["DDP buckets"] or row["steps"] <= warmup_steps:
+        failed.append(f"{row['steps']} steps in {row['buckets']} buckets, where DDP's took {row['DDP buckets']} and "
+                      f"the warmup {warmup_steps}: raise --steps")
+    return failed
 
 
 def table(rows):
@@ -188,11 +235,11 @@ def main():
         folder = f"{name.replace(' ', '-')}-world-{world}"
         accum = ["--grad-accum", str(divisor)] if divisor > 1 else []
         steps = math.ceil(args.steps * 2 / world)  # world batches a step: the samples of --steps at world 2
-        seconds, status, error = run(script, [*flags, *accum], world, steps, out_dir / folder, args)
+        seconds, status, error, reused = run(script, [*flags, *accum], world, steps, out_dir / folder, args)
         row = {"row": name, "world": world, "script": script, "flags": [*flags, *accum], "steps": steps,
-               "folder": folder, "seconds": seconds}
+               "folder": folder, "seconds": seconds, "reused": reused}
         results.append(row)
-        print(f"{name}, world {world}: {seconds:.0f} s", file=sys.stderr)
+        print(f"{name}, world {world}: {'reused, ' if reused else ''}{seconds:.0f} s", file=sys.stderr)
         if status:
             failures.append(f"{name} at world {world}: the run failed (exit {status}): {error}")
             continue
@@ -203,14 +250,13 @@ def main():
         if batches % ranks:
             failures.append(f"{name} at world {world}: {batches} batches a step, which DDP on 2 processes cannot take")
             continue
-        _, status, error = run("ddp_pretrain.py", ["--grad-accum", str(batches // ranks)], ranks, steps,
-                               out_dir / row["reference"], args)
+        _, status, error, _ = run("ddp_pretrain.py", ["--grad-accum", str(batches // ranks)], ranks, steps,
+                                  out_dir / row["reference"], args)
         if status:
             raise common.ReportedError(f"DDP's reference of {batches} batches a step failed (exit {status}): {error}")
         row.update(compare(out_dir / folder, out_dir / row["reference"]))
-        over = [f"{column} is {row[column]:.1e}" for column in COLUMNS[:2] if not row[column] <= args.tolerance]
-        if over:
-            failures.append(f"{name} at world {world}: {', '.join(over)}, over --tolerance {args.tolerance:g}")
+        failures += [f"{name} at world {world}: {failure}" for failure in
+                     failed_checks(row, config["flags"]["warmup_steps"], args.tolerance)]
     print(table(results))
     (out_dir / "parity.json").write_text(json.dumps({"tolerance": args.tolerance, "steps": args.steps,
                                                      "dtype": args.dtype, "device": args.device, "rows": results},

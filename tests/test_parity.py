@@ -1,7 +1,10 @@
 """Every strategy trains as DDP does: the suite's shared runs compared by parity.py's own code, a row per strategy; and
 parity.py itself: a fork that trains as DDP does passes, one that divides its loss by its own rank's target count fails
-in one line naming its row and column; the table, parity.json and parity.png say the same."""
+in one line naming its row and column; the table, parity.json and parity.png say the same; a finished run is reused
+only while its code, torch and device are the same; a difference that is not a number, too few buckets or steps only
+inside the warmup fail a row."""
 import json
+import math
 import subprocess
 
 import pytest
@@ -42,22 +45,26 @@ def test_every_strategy_trains_as_ddp_does(row, tiny_run):
     assert all(parity.difference(val[step], reference_val[step]) <= 1e-5 for step in val)
 
 
+def run_parity(folder):
+    return subprocess.run([PYTHON, REPO / "parity.py", "--scripts", folder / "my_fork.py", folder / "broken_fork.py",
+                           "--world", "2", "--steps", "6", "--data", TINY_DATA, "--out-dir", folder / "parity"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
 @pytest.fixture(scope="module")
 def parity_of_two_forks(tmp_path_factory):
-    """parity.py --scripts on an unchanged copy of fsdp2_pretrain.py and on a broken one, world 2, 6 steps:
-    (out_dir, CompletedProcess)."""
+    """parity.py --scripts on an unchanged copy of fsdp2_pretrain.py (which imports a module of its own beside it) and
+    on a broken one, world 2, 6 steps: (out_dir, CompletedProcess)."""
     folder = tmp_path_factory.mktemp("forks")
     source = (REPO / "fsdp2_pretrain.py").read_text()
     exact = "(micro_loss_sum * world_size / target_tokens).backward()"
     broken = "(micro_loss_sum * world_size / (targets != common.IGNORE_INDEX).sum()).backward()"  # a rank's own count
-    assert source.count(exact) == 1
-    (folder / "my_fork.py").write_text(source)
+    assert source.count(exact) == 1 and source.count("\nimport modeling\n") == 1
+    (folder / "fork_helpers.py").write_text("SCALE = 1.0\n")
+    (folder / "my_fork.py").write_text(source.replace("\nimport modeling\n", "\nimport fork_helpers  # noqa\n"
+                                                                              "import modeling\n"))
     (folder / "broken_fork.py").write_text(source.replace(exact, broken))
-    out = folder / "parity"
-    result = subprocess.run([PYTHON, REPO / "parity.py", "--scripts", folder / "my_fork.py", folder / "broken_fork.py",
-                             "--world", "2", "--steps", "6", "--data", TINY_DATA, "--out-dir", out], cwd=REPO,
-                            capture_output=True, text=True, timeout=600)
-    return out, result
+    return folder / "parity", run_parity(folder)
 
 
 def test_the_exact_fork_passes_and_the_broken_one_fails_in_one_line_naming_its_row(parity_of_two_forks):
@@ -81,3 +88,35 @@ def test_the_table_json_and_plot_hold_every_row(parity_of_two_forks):
     fork_line = next(line for line in lines if line.startswith("my_fork.py"))
     assert f"{rows['my_fork.py']['max |loss - DDP|']:.2e}" in fork_line
     assert (out / "parity.png").stat().st_size > 10_000
+
+
+def test_a_run_is_reused_only_while_its_code_torch_and_device_are_the_same(parity_of_two_forks):
+    """A module the fork imports changes: its row runs again, while the broken fork's row and DDP's reference, which do
+    not import it, are reused; the key holds every shared module a script imports, torch's version and the device."""
+    out, _ = parity_of_two_forks
+    (out.parent / "fork_helpers.py").write_text("SCALE = 1.0  # changed\n")
+    result = run_parity(out.parent)
+    assert result.returncode == 1, result.stderr[-3000:]  # the broken fork still fails
+    rows = {row["row"]: row for row in json.loads((out / "parity.json").read_text())["rows"]}
+    assert not rows["my_fork.py"]["reused"] and rows["broken_fork.py"]["reused"]
+    assert "my_fork.py, world 2: reused" not in result.stderr and "broken_fork.py, world 2: reused, " in result.stderr
+    key = parity.run_key("fsdp2_pretrain.py", ["--flags"], "cpu")
+    assert {f"{REPO / name}.py" for name in ("fsdp2_pretrain", "common", "data", "modeling", "metrics",
+                                               "checkpoints")} <= set(key["sources"])
+    assert key != parity.run_key("fsdp2_pretrain.py", ["--flags"], "cuda")
+    assert key["torch"] == parity.importlib.metadata.version("torch")
+
+
+def test_a_nan_too_few_buckets_or_steps_inside_the_warmup_fail_a_row(tmp_path):
+    for name, losses in (("ddp", [5.0, 4.0, 3.0]), ("run", [5.0, math.nan, 3.0])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(
+            json.dumps({"step": step, "loss": loss, "grad_norm": 1.0, "bucket_len": 32 * step}) + "\n"
+            for step, loss in enumerate(losses, 1)) + json.dumps({"step": 3, "val_loss": 3.0}) + "\n")
+    row = {**parity.compare(tmp_path / "run", tmp_path / "ddp"), "steps": 3}
+    assert math.isnan(row["max |loss - DDP|"]) and row["max |grad norm - DDP|"] == row["max |val loss - DDP|"] == 0
+    assert parity.failed_checks(row, 2, 1e-5) == ["max |loss - DDP| is nan, over --tolerance 1e-05"]
+    assert parity.failed_checks({**row, "max |loss - DDP|": 0.0}, 2, 1e-5) == []
+    assert parity.failed_checks({**row, "max |loss - DDP|": 0.0, "buckets": 2}, 2, 1e-5) == [
+        "3 steps in 2 buckets, where DDP's took 3 and the warmup 2: raise --steps"]
+    assert parity.failed_checks({**row, "max |loss - DDP|": 0.0}, 3, 1e-5)[0].endswith("the warmup 3: raise --steps")

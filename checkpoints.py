@@ -8,6 +8,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 import common
@@ -61,12 +62,14 @@ def commit_checkpoint(partial_dir, args, script, step, world_size, data_order, r
 
 @contextlib.contextmanager
 def report_failure(out_dir, step):
-    """Around save_checkpoint(step, ...): a save that fails is one line. Its partial folder is never committed, so
-    every complete checkpoint stays whole. torch.save says "unexpected pos" for a full disk: the free space says it."""
+    """Around save_checkpoint(step, ...): a save the filesystem refuses is one line. Its partial folder is never
+    committed, so every complete checkpoint stays whole; the free space says whether the disk is full."""
     try:
         yield
     except (OSError, RuntimeError, CheckpointException) as error:  # DCP's: every rank's failures, on every rank
         cause = next(iter(error.failures.values()))[0] if isinstance(error, CheckpointException) else error
+        if not isinstance(cause, OSError) and "inline_container.cc" not in str(cause):  # (torch.save's zip writer)
+            raise  # not the filesystem's refusal (a dead peer, a timed-out collective, a full GPU): its own error
         free = shutil.disk_usage(out_dir).free / 1e9 if os.path.isdir(out_dir) else 0.0  # (a folder removed)
         print(file=sys.__stderr__)  # end the progress bar's line
         raise SaveFailed(f"--out-dir {out_dir}: saving step {step} failed ({type(cause).__name__}: {cause}; "
@@ -122,14 +125,25 @@ def find_resume_checkpoint(args, checkpoint_root, script):
     if f"{script}.py" not in resumed_by:
         raise common.UsageError(f"--resume {checkpoint_dir} was written by {meta['script']}.py, not {script}.py: "
                                 f"resume it with {' or '.join(resumed_by) or 'none (an export: --init-from it)'}")
-    newer = [p for p in existing if int(p.name[5:]) > meta["step"]]
-    if newer:  # saving on from here would collide with them
+    if newer := [p for p in existing if int(p.name[5:]) > meta["step"]]:  # saving on from here would collide with them
         raise common.UsageError(f"--resume {checkpoint_dir}: {checkpoint_root} already holds newer checkpoints "
                                 f"({newer[-1].name}): move them away or use another --out-dir")
+    if meta["step"] >= args.max_steps and args.resume == "auto":  # a requeued job or restarted group, its run complete
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"already finished at step {meta['step']} ({checkpoint_dir}): nothing to train", flush=True)
+        sys.exit(0)
     if meta["step"] >= args.max_steps:  # else the run would end at once, its summary all zeros
         raise common.UsageError(f"--max-steps {args.max_steps}: --resume {checkpoint_dir} is at step {meta['step']} "
                                 f"already, nothing to train: raise --max-steps")
     return checkpoint_dir
+
+
+def same_on_every_rank(resume_dir):
+    """Each rank looked --resume up in its own listing of --out-dir, which a shared filesystem may cache per node."""
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, str(resume_dir))
+    if len(set(found)) > 1:
+        raise CheckpointError(f"the ranks found different checkpoints ({', '.join(sorted(set(found)))}): pass --resume")
 
 
 ORDER_FLAGS = {"data_sha256": "--data", "val_fraction": "--val-fraction", "buckets": "--buckets",

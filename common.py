@@ -388,8 +388,7 @@ def init_process_group(device, fake=False):
 
     if fake:  # --estimate-memory fake: this process is rank 0 of WORLD_SIZE; collectives move nothing, return at once
         from torch.testing._internal.distributed.fake_pg import FakeStore
-        world_size = int(os.environ.get("WORLD_SIZE", 1))
-        return dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+        return dist.init_process_group("fake", rank=0, world_size=int(os.getenv("WORLD_SIZE", "1")), store=FakeStore())
     alone = {} if "MASTER_ADDR" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)  # not torchrun
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.environ["TORCHELASTIC_MAX_RESTARTS"] != "0":
         raise UsageError("torchrun --max-restarts: a restarted group reads its dead group's addresses (pytorch#135712) "

@@ -261,9 +261,8 @@ def collate(split, sample_ids, bucket_len, batch_size, device):
 # The data order: what the sequence of training samples depends on.
 
 def data_order(args, train, val, world_size, samples_per_rank, batch_flags, bucket_order):
-    """What the order of the training samples depends on, for every checkpoint's meta.json: a resume may not change it
-    (checkpoints.check_resume). samples_per_rank: a step's samples per bucket on each rank that reads its own, set by
-    batch_flags; bucket_order: the steps' (an epoch_schedule order). Checks first that every split gets samples."""
+    """What the training samples' order depends on (checkpoints.check_resume: a resume may not change it), once every
+    split has samples. samples_per_rank: a step's per bucket on each rank that reads its own, set by batch_flags."""
     if len(train.lengths) < world_size:
         raise common.UsageError(f"the data gives {len(train.lengths)} training samples, fewer than the {world_size} "
                                 f"ranks: use more --data or fewer ranks")

@@ -105,16 +105,18 @@ if rank == 0:
 common.init_process_group(device, fake)
 if device.type == "cuda":
     torch.cuda.set_device(device)
+checkpoints.same_on_every_rank(resume_dir)  # the ranks' lookups, compared before any load
 # Outermost the slowest links: replicas (across nodes) exchange one gradient all-reduce per layer and step; shards
 # gather every layer twice a step; cp ranks gather keys and values every layer; tp ranks all-reduce twice per layer and
 # pass, so they are neighbours. Ranks 0..tp-1 are one tp group, cp groups step by tp, and so on.
-mesh = init_device_mesh(device.type, (args.dp_replicate, dp_shard, args.cp, args.tp),
-                        mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
-mesh["dp_replicate", "dp_shard"]._flatten("dp")  # the ranks that read different samples: a (cp, tp) group reads alike
-mesh["dp_shard", "cp"]._flatten("dp_shard_cp")  # FSDP2 shards over these: a cp group holds the same weights
-mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")  # the ranks that hold different tokens: the loss adds them
-dp_rank, cp_rank, cp_group = mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank(), mesh["cp"].get_group()
-dp_cp_group, tp_rank = mesh["dp_cp"].get_group(), mesh["tp"].get_local_rank()  # the step's loss: tp rank 0's copies
+# Two views of that grid, unflattened from one flat mesh (torch deprecates slicing flattened dimensions out of a root
+# mesh): how ranks read (dp: those that read different samples; a cp x tp group reads alike), and how they hold the
+# weights (FSDP2 shards over dp_shard_cp: a cp group holds the same ones).
+world = init_device_mesh(device.type, (world_size,), mesh_dim_names=("world",))
+data_mesh = world._unflatten(0, (args.dp_replicate * dp_shard, args.cp, args.tp), ("dp", "cp", "tp"))
+weight_mesh = world._unflatten(0, (args.dp_replicate, dp_shard * args.cp, args.tp), ("replicate", "shard_cp", "tp"))
+dp_rank, cp_rank, tp_rank = (data_mesh[name].get_local_rank() for name in ("dp", "cp", "tp"))
+cp_group, dp_cp_group = data_mesh["cp"].get_group(), data_mesh["dp", "cp"]._flatten("dp_cp").get_group()  # tokens
 
 # ---------------------------------------------------------------------------------------------- model
 torch.manual_seed(args.seed)  # the same init on every rank, and in every script
@@ -186,19 +188,18 @@ layer_plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": Colwise
               "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
               "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
 for layer in model.model.layers if args.tp > 1 else []:  # tp 1: plain tensors, no DTensor on a mesh of one rank
-    parallelize_module(layer, mesh["tp"], layer_plan)
+    parallelize_module(layer, weight_mesh["tp"], layer_plan)
 
 # ---------------------------------------------------------------------------------------------- wrap
 # bf16: compute on bf16 copies of the gathered parameters; reduce gradients and keep the shards in fp32.
 mixed_precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 # HSDP: a 2D mesh, shards over dp_shard_cp, each shard replicated over dp_replicate (gradients reduce-scattered within
 # a replica, then all-reduced across replicas); with one replica, FSDP2's 1D mesh. TP's shards are split again.
-fsdp_mesh = mesh["dp_replicate", "dp_shard_cp"] if args.dp_replicate > 1 else mesh["dp_shard_cp"]
+fsdp_mesh = weight_mesh["replicate", "shard_cp"] if args.dp_replicate > 1 else weight_mesh["shard_cp"]
 for layer in model.model.layers:  # one unit per decoder layer: only one layer is ever gathered at a time
     fully_shard(layer, mesh=fsdp_mesh, mp_policy=mixed_precision, reshard_after_forward=args.reshard_after_forward)
 fully_shard(model, mesh=fsdp_mesh, mp_policy=mixed_precision)  # the root: embedding, tied head, final norm
-# Each local shard's share of the norm: 1 / the ranks holding that shard, from its placements: those along each mesh
-# dimension it is replicated on, and every rank off its mesh (the embedding and norms, on the dp mesh: every tp rank).
+# A local shard's share of the norm: 1 / the ranks holding it, those along its mesh's Replicate dimensions and off it.
 norm_shares = torch.tensor([p.device_mesh.size() / world_size / math.prod(size for size, placement in zip(
     p.device_mesh.shape, p.placements) if placement.is_replicate()) for p in model.parameters()], device=device)
 
@@ -229,8 +230,7 @@ def train_step(batches, target_tokens):
         (micro_loss_sum * fsdp_mesh.size() / target_tokens).backward()
         loss_sum += micro_loss_sum.detach()
     # Every gradient's norm in one foreach kernel, in fp64: on a CPU fp32 drifts ~1e-4 on big tensors (pytorch#169237).
-    # Over local shards (DTensors on two meshes cannot be stacked, pytorch#180346), each squared norm times its share;
-    # one all-reduce over all ranks adds them up.
+    # Over local shards (DTensors on two meshes cannot be stacked, pytorch#180346), each squared norm times its share.
     local_grads = [p.grad.to_local() for p in model.parameters()]
     norms = torch._foreach_norm(local_grads, 2, torch.float64)
     grad_norm = (torch.stack(norms).square() * norm_shares).sum()
@@ -352,7 +352,7 @@ while step < args.max_steps and not stop_votes:
     batches = [data.collate(train, step_samples[micro * dp_size + dp_rank::dp_size * args.grad_accum], bucket_len,
                             batch_size, device) for micro in range(args.grad_accum)]
     loss_sum, grad_norm = train_step(batches, target_tokens)
-    # The loss once per replica (its tp ranks all hold it), and any rank's signal: over all ranks, so all stop alike.
+    # Over all ranks, tp rank 0's loss alone: torchtitan's sum over dp_cp (tp ranks share a loss); a signal stops all.
     step_sums = torch.stack([loss_sum * (tp_rank == 0), loss_sum.new_full((), len(stop_signals))])
     dist.all_reduce(step_sums)  # for the log and the check (the gradients were already exact), and the stop
     loss_sum, stop_votes, grad_norm = torch.cat([step_sums, grad_norm[None]]).tolist()  # the step's one wait for it
@@ -378,7 +378,7 @@ while step < args.max_steps and not stop_votes:
              "batch_size": batch_size, "tokens_per_s": tokens / step_time,
              "mfu": mfu, "peak_mem_gb": step_peak_mem_gb, "peak_reserved_gb": step_peak_reserved_gb,
              "elapsed_s": time.perf_counter() - start_time})
-    if step % args.eval_every == 0 or step == args.max_steps:
+    if (step % args.eval_every == 0 or step == args.max_steps) and not stop_votes:  # a stopped step saves at once
         validation = evaluate()
         log({"step": step, **validation})
     if step % args.save_every == 0 or step == args.max_steps or stop_votes:

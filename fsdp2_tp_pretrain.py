@@ -91,6 +91,7 @@ if rank == 0:
 common.init_process_group(device, fake)
 if device.type == "cuda":
     torch.cuda.set_device(device)
+checkpoints.same_on_every_rank(resume_dir)  # the ranks' lookups, compared before any load
 # Rows are replicas, which FSDP2 shards across; columns split each layer. A tp group's ranks are neighbours, so on a
 # node the most frequent collectives, TP's, run over the fastest links.
 mesh = init_device_mesh(device.type, (dp_size, args.tp), mesh_dim_names=("dp", "tp"))
@@ -128,8 +129,7 @@ mixed_precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.flo
 for layer in model.model.layers:  # one unit per decoder layer, sharded over the replicas: its TP shards split again
     fully_shard(layer, mesh=mesh["dp"], mp_policy=mixed_precision, reshard_after_forward=args.reshard_after_forward)
 fully_shard(model, mesh=mesh["dp"], mp_policy=mixed_precision)  # the root: embedding, tied head, final norm
-# Each local shard's share of the norm: 1 / the ranks holding that shard, from its placements: those along each mesh
-# dimension it is replicated on, and every rank off its mesh (the embedding and norms, on the dp mesh: every tp rank).
+# A local shard's share of the norm: 1 / the ranks holding it, those along its mesh's Replicate dimensions and off it.
 norm_shares = torch.tensor([p.device_mesh.size() / world_size / math.prod(size for size, placement in zip(
     p.device_mesh.shape, p.placements) if placement.is_replicate()) for p in model.parameters()], device=device)
 
@@ -156,8 +156,7 @@ def train_step(batches, target_tokens):
         (micro_loss_sum * dp_size / target_tokens).backward()
         loss_sum += micro_loss_sum.detach()
     # Every gradient's norm in one foreach kernel, in fp64: on a CPU fp32 drifts ~1e-4 on big tensors (pytorch#169237).
-    # Over local shards (DTensors on two meshes cannot be stacked, pytorch#180346), each squared norm times its share
-    # (norm_shares: a TP shard is its rank's alone, the rest is held by every tp rank); one all-reduce adds them up.
+    # Over local shards (DTensors on two meshes cannot be stacked, pytorch#180346), each squared norm times its share.
     local_grads = [p.grad.to_local() for p in model.parameters()]
     norms = torch._foreach_norm(local_grads, 2, torch.float64)
     grad_norm = (torch.stack(norms).square() * norm_shares).sum()
@@ -302,7 +301,7 @@ while step < args.max_steps and not stop_votes:
              "batch_size": batch_size, "tokens_per_s": tokens / step_time,
              "mfu": mfu, "peak_mem_gb": step_peak_mem_gb, "peak_reserved_gb": step_peak_reserved_gb,
              "elapsed_s": time.perf_counter() - start_time})
-    if step % args.eval_every == 0 or step == args.max_steps:
+    if (step % args.eval_every == 0 or step == args.max_steps) and not stop_votes:  # a stopped step saves at once
         validation = evaluate()
         log({"step": step, **validation})
     if step % args.save_every == 0 or step == args.max_steps or stop_votes:

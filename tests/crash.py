@@ -11,8 +11,9 @@ SIGKILLs its parent, the torchrun launcher, instead of itself (the workers are t
 CRASH_SIGNAL=SIGTERM (or another name) sends that signal instead of SIGKILL, and the rank trains on; as it then saves a
 checkpoint, it sends itself the same signal again, as a second signal during the save. Under `torchrun --max-restarts`
 only the first attempt (TORCHELASTIC_RESTART_COUNT 0) is crashed. CRASH_AT=fsize:BYTES limits the size of any file the
-rank writes (RLIMIT_FSIZE, as a full disk would: the write fails). The scripts are not modified: this file patches the
-library calls they make, then runs the script as __main__.
+rank writes (RLIMIT_FSIZE, as a full disk would: the write fails); CRASH_AT=listing:N leaves the N newest checkpoints
+out of the rank's listing of --out-dir, as a shared filesystem's cached listing on another node could. The scripts are
+not modified: this file patches the library calls they make, then runs the script as __main__.
 """
 import io
 import os
@@ -54,6 +55,13 @@ if is_victim and crash_signal != signal.SIGKILL:  # a second signal as the check
 
 if is_victim and kind == "fsize":
     resource.setrlimit(resource.RLIMIT_FSIZE, (int(number), int(number)))
+
+if is_victim and kind == "listing":
+    sys.path.insert(0, str(REPO))
+    import checkpoints
+
+    real_complete_checkpoints = checkpoints.complete_checkpoints
+    checkpoints.complete_checkpoints = lambda checkpoint_root: real_complete_checkpoints(checkpoint_root)[:-int(number)]
 
 
 if is_victim and kind == "step":

@@ -2,7 +2,9 @@
 SIGKILLed (tests/crash.py), ends the whole job within seconds and frees its run folder, leaves the newest complete
 checkpoint intact, and --resume then trains exactly the steps the uninterrupted run did. SIGTERM to the launcher, or to
 one rank, saves the step in progress on every rank, and --resume auto continues from it exactly. torchrun's restarts
-continue a run whose rank died; a save the filesystem refuses is one line, the newest checkpoint whole.
+continue a run whose rank died; a save the filesystem refuses is one line, the newest checkpoint whole, and a save that
+fails otherwise keeps its own error. --resume auto on a finished run ends at once with status 0; ranks that find
+different checkpoints to resume stop in one line before any load.
 Each crashed run resumes the shared tiny run's step_10 (as a run restarted after a first crash would) and dies (or is
 signalled) at step 12 or in its save of step 20, so it trains a few or ten steps before, not twelve or twenty.
 A loss driven to inf/NaN stops every rank before the update, so no checkpoint ever holds it."""
@@ -16,6 +18,7 @@ import time
 
 import pytest
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 import checkpoints
 import common
@@ -168,13 +171,16 @@ def test_max_restarts_over_torchruns_shared_store_is_refused_with_the_variable_t
 def test_a_save_the_filesystem_refuses_is_one_line_and_the_newest_checkpoint_stays_whole(script, victim, tiny_run,
                                                                                           tmp_path):
     """A rank may write no file over 4 MB (RLIMIT_FSIZE: its writes fail as on a full disk) from step_10 on: the save of
-    step 12 fails in one line, step_10 stays as it was, and is what --resume auto takes next."""
+    step 12 fails in one line, step_10 stays as it was, and is what --resume auto takes next. DDP's other rank, waiting
+    for rank 0 at the save's barrier, may see its peer leave before it is stopped: its own error, which says so."""
     out = copy_checkpoint(tiny_run(script)[0], 10, tmp_path / "run")
     before = tree_hashes(out / "checkpoints" / "step_10")
     result = run_script("tests/crash.py", script, *TINY_RUN, "--save-every", 2, "--out-dir", out, "--resume", "auto",
                         nproc=2, env={"CRASH_AT": "fsize:4000000", "CRASH_RANK": str(victim)})
     assert result.returncode == checkpoints.SaveFailed.exit_status == 8
-    assert not traceback_through_our_code(result.stderr)
+    peer = [line for line in result.stderr.splitlines() if line.startswith(f"[rank{1 - victim}]:")]
+    assert not traceback_through_our_code("\n".join(set(result.stderr.splitlines()) - set(peer)))
+    assert not peer or "gloo" in peer[-1], peer  # its connection to rank 0 lost (gloo's error), not renamed a disk's
     error_lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(error_lines) == 1 and f"--out-dir {out}: saving step 12 failed" in error_lines[0], result.stderr
     assert [p.name for p in checkpoints.complete_checkpoints(out / "checkpoints")] == ["step_10"]
@@ -212,3 +218,51 @@ def test_a_nonfinite_loss_stops_every_rank_before_the_update_and_saves_nothing_p
     assert saved[-1].name == f"step_{stopped_at - 1}" and not list((tmp_path / "checkpoints").glob(".*"))
     model, _ = loading.load_checkpoint_model(saved[-1])
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_save_that_fails_for_another_reason_keeps_its_own_error(tmp_path):
+    """Only the filesystem's refusal (an OSError, torch.save's writer failing a write) is the one-line SaveFailed: a
+    dead peer, a timed-out collective, a full GPU or a bug keep their own error, DCP's wrapper around them too."""
+    others = [torch.distributed.DistBackendError("the peer died"), torch.distributed.DistNetworkError("timed out"),
+              torch.OutOfMemoryError("no memory"), RuntimeError("a bug"),
+              CheckpointException("save", {1: (torch.distributed.DistBackendError("the peer died"), None)})]
+    for error in others:
+        with pytest.raises(type(error)) as raised, checkpoints.report_failure(tmp_path, 12):
+            raise error
+        assert raised.value is error
+    refusals = [OSError(28, "No space left on device"), CheckpointException("save", {1: (OSError(27, "big"), None)}),
+                RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")]
+    for refusal in refusals:
+        with pytest.raises(checkpoints.SaveFailed, match=f"--out-dir {tmp_path}: saving step 12 failed"), \
+                checkpoints.report_failure(tmp_path, 12):
+            raise refusal
+
+
+def test_resume_auto_on_a_finished_run_ends_at_once_with_status_0_and_writes_nothing(tiny_run, tmp_path):
+    """A requeued job, or a restarted group, whose run had saved its last step: one line and status 0; an explicit
+    --resume at that checkpoint is still bad input (nothing to train)."""
+    out = tmp_path / "run"
+    shutil.copytree(tiny_run("ddp_pretrain.py")[0], out)
+    before = tree_hashes(out)
+    result = check(run_script("ddp_pretrain.py", *TINY_RUN, "--out-dir", out, "--resume", "auto", nproc=2))
+    last = out / "checkpoints" / "step_20"
+    assert result.stdout.splitlines() == [f"already finished at step 20 ({last}): nothing to train"]
+    assert tree_hashes(out) == before
+    refused = run_script("ddp_pretrain.py", *TINY_RUN, "--out-dir", out, "--resume", last)
+    assert refused.returncode == 2 and "nothing to train: raise --max-steps" in refused.stderr
+
+
+def test_ranks_that_find_different_checkpoints_to_resume_stop_in_one_line_before_loading(tiny_run, tmp_path):
+    """Rank 1's listing of --out-dir without its newest checkpoint, as a shared filesystem's cache on another node can
+    be: the ranks compare their choices before any load and stop in one line, the checkpoint error's status."""
+    out = tmp_path / "run"
+    shutil.copytree(tiny_run("ddp_pretrain.py")[0] / "checkpoints", out / "checkpoints")
+    before = tree_hashes(out / "checkpoints")
+    result = run_script("tests/crash.py", "ddp_pretrain.py", *TINY_RUN, "--max-steps", 30, "--resume", "auto",
+                        "--out-dir", out, nproc=2, env={"CRASH_AT": "listing:1", "CRASH_RANK": "1"})
+    assert result.returncode == checkpoints.CheckpointError.exit_status == 3
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: the ranks found different checkpoints ("), errors
+    assert f"{out / 'checkpoints' / 'step_10'}, {out / 'checkpoints' / 'step_20'}" in errors[0]
+    assert not traceback_through_our_code(result.stderr) and tree_hashes(out / "checkpoints") == before
+    assert not (out / "metrics.jsonl").exists()

@@ -16,14 +16,14 @@ DIFFS = {
     ("fsdp1_pretrain.py", "fsdp2_pretrain.py"):  # fully_shard, ZeRO-2, model and optimizer apart, the resuming scripts
         {"preamble": 17, "setup": 5, "model": 2, "wrap": 12, "training step": 16, "checkpoint": 35},
     ("fsdp2_pretrain.py", "fsdp2_tp_pretrain.py"):  # the 2D mesh: the tp plan, dp ranks reading, the norm's two meshes
-        {"preamble": 9, "setup": 13, "data": 2, "distributed": 5, "model": 5, "tensor parallel": 15, "wrap": 10,
-         "training step": 16, "resume": 2, "evaluation": 4, "training loop": 7},
+        {"preamble": 9, "setup": 13, "data": 2, "distributed": 5, "model": 5, "tensor parallel": 15, "wrap": 9,
+         "training step": 15, "resume": 2, "evaluation": 4, "training loop": 7},
     ("fsdp2_pretrain.py", "fsdp2_cp_pretrain.py"):  # the 2D mesh: the zigzag split, its attention, dp ranks reading
         {"preamble": 8, "setup": 12, "data": 2, "distributed": 4, "model": 5, "context parallel": 47, "wrap": 1,
          "training step": 6, "resume": 2, "evaluation": 7, "training loop": 4},
     ("fsdp2_cp_pretrain.py", "fsdp2_3d_pretrain.py"):  # one mesh: HSDP's replicas, the tp plan, the loss's group
-        {"preamble": 10, "setup": 26, "distributed": 12, "model": 4, "context parallel": 4, "tensor parallel": 9,
-         "wrap": 12, "training step": 16, "evaluation": 2, "training loop": 3},
+        {"preamble": 10, "setup": 26, "distributed": 15, "model": 4, "context parallel": 4, "tensor parallel": 9,
+         "wrap": 11, "training step": 15, "evaluation": 2, "training loop": 3},
     ("ddp_pretrain.py", "pp_pretrain.py"):  # the stage module, its schedule per bucket, the tied weight's two copies
         {"preamble": 15, "setup": 17, "data": 2, "distributed": 5, "model": 28, "wrap": 4, "pipeline": 20,
          "training step": 32, "checkpoint": 28, "resume": 2, "evaluation": 8, "training loop": 4},

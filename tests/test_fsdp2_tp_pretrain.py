@@ -9,7 +9,7 @@ import torch
 import common
 import loading
 import modeling
-from helpers import TINY_RUN, assert_same_steps, check, copy_checkpoint, read_metrics, run_script, shown
+from helpers import REPO, TINY_RUN, assert_same_steps, check, copy_checkpoint, read_metrics, run_script, shown
 
 TINY = {"hidden": 64, "intermediate": 256, "heads": 4, "kv_heads": 2, "layers": 2, "vocab": 50_304}
 
@@ -61,3 +61,23 @@ def test_generate_reads_a_tp_checkpoint_as_the_ddp_one_it_equals(tiny_run, ddp_o
     with torch.no_grad():
         reply = modeling.generate_replies(model, [tokenizer.encode_ordinary("The interpreter")], 12)[0]
     assert printed == "The interpreter" + shown(tokenizer.decode(reply)) + "\n" and len(reply) == 12
+
+
+def test_norms_replicated_on_the_tp_mesh_count_once_in_the_gradient_norm(ddp_one_process, tmp_path):
+    """A fork that puts each layer's norm weights on the tp mesh, replicated (as torchtitan's sequence parallelism
+    does): their shares of the gradient norm, read from the placements, count each such weight once (a rule from the
+    mesh's name would count it twice), so its steps, clipping active, equal DDP's."""
+    source = (REPO / "fsdp2_tp_pretrain.py").read_text()
+    anchor = '    parallelize_module(layer, mesh["tp"], layer_plan)\n'
+    fork = anchor + (
+        "    for norm in (layer.input_layernorm, layer.post_attention_layernorm):  # the fork: on the tp mesh too\n"
+        "        distribute_module(norm, mesh['tp'], input_fn=lambda module, inputs, tp_mesh: tuple(\n"
+        "            DTensor.from_local(x, tp_mesh, [Replicate()]) for x in inputs),\n"
+        "            output_fn=lambda module, output, tp_mesh: output.to_local())\n")
+    assert source.count(anchor) == 1
+    imports = "import torch\nfrom torch.distributed.tensor import DTensor, Replicate, distribute_module\n"
+    (tmp_path / "norms_on_tp.py").write_text(source.replace(anchor, fork).replace("import torch\n", imports, 1))
+    out = tmp_path / "run"  # forked by the tests' zygote, whose imports hold our modules
+    check(run_script(tmp_path / "norms_on_tp.py", *TINY_RUN, "--grad-accum", 2, "--out-dir", out, nproc=2))
+    assert_same_steps(out, ddp_one_process, range(1, 21), 1e-5, 1e-5)
+    assert any(row["grad_norm"] > 1.0 for row in read_metrics(out)[0].values())  # clipping active

@@ -12,9 +12,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no test reaches the network; tra
 
 
 def pytest_configure(config):
-    """The tests' prepared data (helpers.DATA_ROOT), before any test module reads TINY_RUN's --data: kept in pytest's
-    cache while its sources are the same (`--cache-clear` empties it); with the cache off, in a folder removed at the
-    end. Nothing is left in the system's temporary directory."""
+    """The fast tier's marker (pytest_collection_modifyitems), and the tests' prepared data (helpers.DATA_ROOT), before
+    any test module reads TINY_RUN's --data: kept in pytest's cache while its sources are the same (`--cache-clear`
+    empties it); with the cache off, in a folder removed at the end. Nothing is left in the system's temporary
+    directory."""
+    config.addinivalue_line("markers", "slow: a test that needs a multi-process run (`pytest -m 'not slow' tests`: "
+                            "the others, in under 2 minutes)")
     cache = getattr(config, "cache", None)
     folder = cache.mkdir("prepared-data") if cache else Path(tempfile.mkdtemp(prefix="prepared-data-"))
     if not cache:
@@ -41,8 +44,12 @@ PROBES = {"fsdp2_tp_pretrain.py": ("tests/tp_probe.py", "TP_PROBE"),
 
 
 def pytest_collection_modifyitems(items):
-    """test_gpu_check.py's test runs last: it waits for the GPU check's dry run, which starts in the background
-    (pytest_runtest_setup)."""
+    """A test that reads a shared run (tiny_run, ddp_one_process: multi-process runs, or shared with them) is slow, as
+    is one marked so (it starts multi-process runs of its own). test_gpu_check.py's test runs last: it waits for the GPU
+    check's dry run, which starts in the background (pytest_runtest_setup)."""
+    for item in items:
+        if {"tiny_run", "ddp_one_process"} & set(item.fixturenames):
+            item.add_marker(pytest.mark.slow)
     items.sort(key=lambda item: item.path.name == "test_gpu_check.py")
 
 

@@ -23,18 +23,19 @@ DATA_ROOT = Path(os.environ.get("LLM_REFERENCE_TEST_DATA", Path(tempfile.gettemp
 TINY_CORPUS, TINY_DATA = DATA_ROOT / "tiny_corpus.jsonl", DATA_ROOT / "tiny_corpus"  # the rows; their prepared folder
 BUILTIN_TEXT, BUILTIN_SFT, BUILTIN_RL = DATA_ROOT / "builtin", DATA_ROOT / "builtin-sft", DATA_ROOT / "builtin-rl"
 # The run most tests share: tiny model, 20 steps, checkpoints at steps 10 and 20, fp32, one validation document
-# (evaluation dominates a tiny run on CPU). Its corpus is small on purpose: an epoch is 12 steps, so every resume
-# from step 10 crosses an epoch boundary.
+# (evaluation dominates a tiny run on CPU), 256 tokens a micro-batch (the 50,304-row vocabulary's logits are most of a
+# step's work: half the preset's tokens, about half the time). Its corpus is small on purpose: an epoch is 12 steps,
+# so every resume from step 10 crosses an epoch boundary.
 TINY_RUN = ["--model", "tiny", "--data", TINY_DATA, "--max-steps", 20, "--save-every", 10, "--eval-every", 10,
-            "--dtype", "fp32", "--val-fraction", 0.002]
+            "--dtype", "fp32", "--val-fraction", 0.002, "--tokens-per-batch", 256]
 
 SFT_DATA = ["--data", BUILTIN_SFT]  # after TINY_RUN's flags: the SFT trains on the built-in reasoning set
 RL_DATA = ["--data", BUILTIN_RL]  # and GRPO on the built-in problems
 # The shared run's own flags, after TINY_RUN's: two micro-batches, so that tensor and context parallelism (dp 1) and
 # a pipeline of two stages (which 1F1B fills with two micro-batches at least) compare with DDP on one process,
-# --grad-accum 2.
+# --grad-accum 2; GRPO's rollouts in micro-batches of the preset's 512 tokens (its time is sampling's).
 EXTRA_FLAGS = {"fsdp2_tp_pretrain.py": ["--grad-accum", 2], "pp_pretrain.py": ["--grad-accum", 2],
-               "fsdp2_cp_pretrain.py": ["--grad-accum", 2]}
+               "fsdp2_cp_pretrain.py": ["--grad-accum", 2], "fsdp2_grpo.py": ["--tokens-per-batch", 512]}
 
 
 def prepare_folder(source, kind, folder, workers=1):
@@ -49,7 +50,7 @@ def prepare_folder(source, kind, folder, workers=1):
 
 
 def prepare_test_data():
-    """TINY_CORPUS: the first 156 paragraphs of CPython's help topics (about 8,000 tokens), one document each, rewritten
+    """TINY_CORPUS: the first 80 paragraphs of CPython's help topics (about 4,000 tokens), one document each, rewritten
     only when its text changes; it and the built-in sets prepared by prepare_data.py's own code, each kept while it
     holds its source's tokens (the source's size and modification time, for a file)."""
     import pydoc_data.topics
@@ -58,7 +59,7 @@ def prepare_test_data():
     import prepare_data
 
     topics = pydoc_data.topics.topics
-    paragraphs = [p.strip() for name in sorted(topics) for p in topics[name].split("\n\n") if len(p.strip()) > 40][:156]
+    paragraphs = [p.strip() for name in sorted(topics) for p in topics[name].split("\n\n") if len(p.strip()) > 40][:80]
     text = "".join(json.dumps({"text": paragraph}) + "\n" for paragraph in paragraphs)
     if not TINY_CORPUS.is_file() or TINY_CORPUS.read_text() != text:
         TINY_CORPUS.parent.mkdir(parents=True, exist_ok=True)

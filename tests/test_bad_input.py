@@ -270,6 +270,7 @@ def command_line_runs(bad_input_files, tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", COMMAND_LINE)
+@pytest.mark.slow  # multi-process runs of its own
 def test_on_the_command_line_it_is_one_line_and_no_traceback(case, command_line_runs):
     _, _, nproc, words = BAD_INPUTS[case]
     result = command_line_runs[case]

@@ -118,8 +118,8 @@ def test_max_tokens_sets_the_steps_from_the_tokens_per_step(ddp_one_process):
     """Each script counts the positions of its own step (tokens per batch x micro-batches x the ranks that read
     different samples; fsdp2_grpo.py: its rollouts, test_fsdp2_grpo.py) and records them in config.json; --max-tokens
     is that many steps, rounded up."""
-    # 1 rank x 2 micro-batches of tiny's 512 tokens (2 ranks x 1: test_a_run_prints_its_configuration_once_...).
-    assert json.loads((ddp_one_process / "config.json").read_text())["tokens_per_step"] == 512 * 2
+    # 1 rank x 2 micro-batches of TINY_RUN's 256 tokens (2 ranks x 1: test_a_run_prints_its_configuration_once_...).
+    assert json.loads((ddp_one_process / "config.json").read_text())["tokens_per_step"] == 256 * 2
 
     def finalize(stage, *flags, tokens_per_step=2048):
         return common.finalize_args(parse(stage, ["--model", "tiny", *flags]), tokens_per_step)
@@ -142,8 +142,8 @@ def test_a_run_prints_its_configuration_once_and_writes_config_json(tiny_run):
     n_params = 3_342_912  # the tiny preset
     assert config["script"] == "ddp_pretrain" and config["world_size"] == 2 and config["parameters"] == n_params
     assert config["device"] == "cpu" and config["dtype"] == "float32"
-    assert config["tokens_per_step"] == 512 * 2 and config["total_tokens"] == 20 * 1024  # 2 ranks, 20 steps
-    assert config["training_flops"] == 6 * n_params * 20 * 1024
+    assert config["tokens_per_step"] == 256 * 2 and config["total_tokens"] == 20 * 512  # 2 ranks, 20 steps
+    assert config["training_flops"] == 6 * n_params * 20 * 512
     assert config["flags"]["max_steps"] == 20 and config["flags"]["buckets"] == [32, 48, 64, 96, 128]
     assert config["flags"]["out_dir"] == str(out) and "stage" not in config["flags"]
     assert config["started_from"] is None and "parameters, from its own initialization" in result.stdout

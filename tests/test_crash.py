@@ -199,6 +199,7 @@ def test_resume_auto_starts_fresh_in_an_empty_folder_and_continues_from_the_newe
 
 
 @pytest.mark.parametrize("script,nproc", [("ddp_pretrain.py", 1), ("fsdp2_pretrain.py", 2)])
+@pytest.mark.slow  # multi-process runs of its own
 def test_a_nonfinite_loss_stops_every_rank_before_the_update_and_saves_nothing_poisoned(script, nproc, tmp_path):
     # A learning rate of 1e9 makes the first update enormous: the next forward overflows to inf/NaN.
     result = run_script(script, "--model", "tiny", "--data", BUILTIN_TEXT, "--lr", 1e9, "--warmup-steps", 1,

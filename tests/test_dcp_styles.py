@@ -8,6 +8,8 @@ import pytest
 
 from helpers import REPO, check, run_script
 
+pytestmark = pytest.mark.slow  # multi-process runs: not in the fast tier (conftest.py)
+
 PAIRS = ["fsdp1+separate", "fsdp1+app", "fsdp2+separate", "fsdp2+app"]
 
 

@@ -57,6 +57,7 @@ def fake_runs(shared_runs):
 
 
 @pytest.mark.parametrize("script", ["fsdp2_pretrain.py", "ddp_pretrain.py"])
+@pytest.mark.slow  # multi-process runs of its own
 def test_the_fake_run_counts_what_a_real_run_holds(script, shared_runs, tmp_path):
     """At world 2, the fake run's parameters, gradients and optimizer state per rank are the real tensors' bytes,
     exactly (FSDP2: each parameter's shard, its dim 0 padded to a multiple of 2), and its peak is the real run's under

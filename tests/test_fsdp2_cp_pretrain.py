@@ -53,6 +53,7 @@ def test_bad_cp_input_gives_one_clear_line_before_any_collective(case, tmp_path,
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and all(w in lines[0] for w in words)
 
 
+@pytest.mark.slow  # multi-process runs of its own
 def test_on_2_ranks_a_bad_bucket_is_one_line_from_one_rank(tmp_path):
     """Even when rank 1 gets there first: rank 0 starts 3 s late (a sitecustomize, which Python imports at start-up),
     and torchrun would stop it the moment rank 1 exited."""

@@ -24,7 +24,7 @@ def test_the_pipeline_runs_its_stages_from_the_one_before_and_reports_them(tiny_
              "mid,grpo,control,reference,eval",
              "--pretrain-data", TINY_DATA, "--mid-data", BUILTIN_SFT, "--sft-data", BUILTIN_SFT, "--rl-data",
              BUILTIN_RL, "--dtype", "fp32",
-             "--max-steps", 4, "--eval-every", 4, "--save-every", 4, "--val-fraction", 0.002, "--eval-limit", 4]
+             "--max-steps", 2, "--eval-every", 2, "--save-every", 2, "--val-fraction", 0.002, "--eval-limit", 2]
     started = datetime.date.today()
     check(run_script("pipeline.py", *flags))
     configs = {stage: json.loads((out / stage / "config.json").read_text())["flags"] for stage in pipeline.SCRIPTS}
@@ -59,8 +59,8 @@ def test_the_pipeline_runs_its_stages_from_the_one_before_and_reports_them(tiny_
     sampled = {(row["stage"], row["task"]) for row in rows if row["metric"] == "pass@8"}
     assert sampled == {(stage, task) for stage in ("sft", "grpo") for task in pipeline.SAMPLED}
     assert all(row["ci_low"] <= row["value"] <= row["ci_high"] and row["step"] for row in rows)
-    assert {row["n"] for row in rows if row["task"] != "prose_bpb" and row["metric"] != "sampled_worked"} == {4}
-    assert {row["n"] for row in rows if row["metric"] == "sampled_worked"} == {4 * 8}  # --eval-limit reached it
+    assert {row["n"] for row in rows if row["task"] != "prose_bpb" and row["metric"] != "sampled_worked"} == {2}
+    assert {row["n"] for row in rows if row["metric"] == "sampled_worked"} == {2 * 8}  # --eval-limit reached it
     report = (out / "report.md").read_text()
     assert "| task: metric | pretrain | mid | sft | grpo | control | reference |" in report and "GRPO - SFT" in report
     assert "| `solve`: pass@8 |" in report

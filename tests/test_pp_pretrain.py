@@ -11,6 +11,7 @@ from helpers import EXTRA_FLAGS, TINY_RUN, assert_same_steps, check, copy_checkp
 PP_RUN = [*TINY_RUN, *EXTRA_FLAGS["pp_pretrain.py"]]  # the shared run's flags: 2 stages, 2 micro-batches, 1F1B
 
 
+@pytest.mark.slow  # multi-process runs of its own
 def test_under_bf16_gpipe_trains_as_ddp_does_the_head_and_loss_in_bf16_too(tmp_path):
     """--dtype bf16 on CPU: each stage's forward and the last stage's loss run inside autocast, as DDP's forward and
     loss do, so the two take the same bf16 steps (a head and loss left in fp32 made step 0's loss differ by 1.5e-4).

@@ -18,7 +18,7 @@ import common
 import data
 import loading
 import prepare_data
-from helpers import PYTHON, REPO, TINY_DATA, check, prepare_folder, run_script
+from helpers import PYTHON, REPO, TINY_DATA, TINY_RUN, check, prepare_folder, run_script
 
 WORDS = ("the interpreter reads 42 lines of code, naïve café 東京 🙂 "
          "def f(x): return x ** 2\n\nand then").split(" ")
@@ -128,7 +128,7 @@ def test_a_killed_preparation_leaves_no_folder_that_training_accepts(tmp_path):
 
 def test_the_tiny_runs_corpus_crosses_an_epoch_boundary_between_its_checkpoints():
     """What makes every resume test from step 10 cross an epoch (helpers.TINY_RUN)."""
-    args = args_for(TINY_DATA)
+    args = args_for(TINY_DATA, "--tokens-per-batch", TINY_RUN[TINY_RUN.index("--tokens-per-batch") + 1])
     train, _ = data.load_pretraining_data(args)
     assert 10 < len(data.epoch_schedule(train.lengths, args.buckets, args.tokens_per_batch, 2, 1, args.seed, 0)) < 20
 

@@ -14,6 +14,8 @@ import metrics
 import plot
 from helpers import TINY_RUN, assert_same_weights_and_moments, check, copy_checkpoint, read_metrics, run_script
 
+pytestmark = pytest.mark.slow  # multi-process runs: not in the fast tier (conftest.py)
+
 SCRIPT = "fsdp2_pretrain.py"
 
 

@@ -140,7 +140,7 @@ import prepare_data  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------- the settings
 if cli.dry_run:
-    MODEL, BUCKET, SECOND_BUCKET, TOKENS_PER_BATCH, STEPS, SKIP, SFT_BUCKETS = "tiny", 128, 64, 512, 6, 2, (128, 256)
+    MODEL, BUCKET, SECOND_BUCKET, TOKENS_PER_BATCH, STEPS, SKIP, SFT_BUCKETS = "tiny", 128, 64, 256, 6, 2, (128, 256)
     COMPILE, BACKEND = [], "eager"  # tests/test_compile.py compiles the scripts on a CPU; here, the plumbing only
 else:
     MODEL, BUCKET, SECOND_BUCKET, TOKENS_PER_BATCH, STEPS, SKIP = "qwen2-0.5b", 2048, 1024, 16384, 30, 10

@@ -148,7 +148,7 @@ def test_a_run_prints_its_configuration_once_and_writes_config_json(tiny_run):
     assert config["flags"]["out_dir"] == str(out) and "stage" not in config["flags"]
     assert config["started_from"] is None and "parameters, from its own initialization" in result.stdout
     assert result.stdout.count("tokens per step") == 1  # rank 0 alone
-    assert "1,024 tokens per step x 20 steps = 20,480 tokens" in result.stdout
+    assert "512 tokens per step x 20 steps = 10,240 tokens" in result.stdout
     for name, value in config["flags"].items():  # every flag in the block
         shown = ",".join(map(str, value)) if isinstance(value, list) else value
         assert f"--{name.replace('_', '-')}={shown}" in result.stdout, name

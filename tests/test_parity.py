@@ -6,6 +6,7 @@ inside the warmup fail a row."""
 import json
 import math
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -53,16 +54,14 @@ def run_parity(folder):
 
 @pytest.fixture(scope="module")
 def parity_of_two_forks(tmp_path_factory):
-    """parity.py --scripts on an unchanged copy of fsdp2_pretrain.py (which imports a module of its own beside it) and
-    on a broken one, world 2, 6 steps: (out_dir, CompletedProcess)."""
+    """parity.py --scripts on an unchanged copy of fsdp2_pretrain.py and on a broken one, world 2, 6 steps:
+    (out_dir, CompletedProcess)."""
     folder = tmp_path_factory.mktemp("forks")
     source = (REPO / "fsdp2_pretrain.py").read_text()
     exact = "(micro_loss_sum * world_size / target_tokens).backward()"
     broken = "(micro_loss_sum * world_size / (targets != common.IGNORE_INDEX).sum()).backward()"  # a rank's own count
-    assert source.count(exact) == 1 and source.count("\nimport modeling\n") == 1
-    (folder / "fork_helpers.py").write_text("SCALE = 1.0\n")
-    (folder / "my_fork.py").write_text(source.replace("\nimport modeling\n", "\nimport fork_helpers  # noqa\n"
-                                                                              "import modeling\n"))
+    assert source.count(exact) == 1
+    (folder / "my_fork.py").write_text(source)
     (folder / "broken_fork.py").write_text(source.replace(exact, broken))
     return folder / "parity", run_parity(folder)
 
@@ -90,20 +89,33 @@ def test_the_table_json_and_plot_hold_every_row(parity_of_two_forks):
     assert (out / "parity.png").stat().st_size > 10_000
 
 
-def test_a_run_is_reused_only_while_its_code_torch_and_device_are_the_same(parity_of_two_forks):
-    """A module the fork imports changes: its row runs again, while the broken fork's row and DDP's reference, which do
-    not import it, are reused; the key holds every shared module a script imports, torch's version and the device."""
-    out, _ = parity_of_two_forks
-    (out.parent / "fork_helpers.py").write_text("SCALE = 1.0  # changed\n")
-    result = run_parity(out.parent)
-    assert result.returncode == 1, result.stderr[-3000:]  # the broken fork still fails
-    rows = {row["row"]: row for row in json.loads((out / "parity.json").read_text())["rows"]}
-    assert not rows["my_fork.py"]["reused"] and rows["broken_fork.py"]["reused"]
-    assert "my_fork.py, world 2: reused" not in result.stderr and "broken_fork.py, world 2: reused, " in result.stderr
+def test_a_run_is_reused_only_while_its_code_torch_and_device_are_the_same(tmp_path, monkeypatch):
+    """parity.py's run(), its torchrun stood in for: a finished run is reused while nothing that decides its numbers
+    changed, and run again once a module the script imports (beside it, or a shared one) or the device changes; the
+    key holds every shared module a script imports and torch's version."""
+    (tmp_path / "fork_helpers.py").write_text("SCALE = 1.0\n")
+    (tmp_path / "my_fork.py").write_text("import fork_helpers  # noqa\n" + (REPO / "fsdp2_pretrain.py").read_text())
+    launched = []
+
+    def torchrun(command, **kwargs):  # the run's folder, as a finished run leaves it
+        launched.append(command)
+        Path(command[-1]).mkdir(parents=True, exist_ok=True)
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(parity.subprocess, "run", torchrun)
+    args = parity.parse_args(["--scripts", str(tmp_path / "my_fork.py"), "--data", str(TINY_DATA)])
+
+    def reused():
+        return parity.run(tmp_path / "my_fork.py", [], 2, 6, tmp_path / "run", args)[3]
+
+    assert [reused(), reused()] == [False, True] and len(launched) == 1
+    (tmp_path / "fork_helpers.py").write_text("SCALE = 1.0  # changed\n")
+    assert [reused(), reused()] == [False, True] and len(launched) == 2
+    args.device = "cuda"
+    assert not reused() and len(launched) == 3
     key = parity.run_key("fsdp2_pretrain.py", ["--flags"], "cpu")
     assert {f"{REPO / name}.py" for name in ("fsdp2_pretrain", "common", "data", "modeling", "metrics",
                                                "checkpoints")} <= set(key["sources"])
-    assert key != parity.run_key("fsdp2_pretrain.py", ["--flags"], "cuda")
     assert key["torch"] == parity.importlib.metadata.version("torch")
 
 

@@ -68,10 +68,11 @@ def test_dry_run_measures_every_part_and_writes_its_table():
     assert by_part["A"]["goal"].startswith("within 5% of B: ")
     # The sweep: 4x A's tokens a micro-batch under the lightest checkpointing its estimate fits in the memory the dry
     # run stands for the GPU's (4x's selective estimate): not none (its estimate is over), so selective.
-    estimates = results["estimates_gb"]
-    assert set(estimates) == {"512:full", "2048:none", "2048:selective"}  # only those of the parts that run
-    assert estimates["2048:none"] > estimates["2048:selective"] > estimates["512:full"] > 0
-    for part, tokens, checkpointing in (("A", 512, "full"), ("S4x", 2048, "selective")):
+    estimates, a_tokens = results["estimates_gb"], by_part["A"]["tokens_per_batch"]
+    full, none, selective = f"{a_tokens}:full", f"{4 * a_tokens}:none", f"{4 * a_tokens}:selective"
+    assert set(estimates) == {full, none, selective}  # only those the parts that run need
+    assert estimates[none] > estimates[selective] > estimates[full] > 0
+    for part, tokens, checkpointing in (("A", a_tokens, "full"), ("S4x", 4 * a_tokens, "selective")):
         row = by_part[part]
         assert (row["tokens_per_batch"], row["checkpointing"]) == (tokens, checkpointing)
         assert row["estimate_gb"] == estimates[f"{tokens}:{checkpointing}"]
@@ -106,6 +107,6 @@ def test_dry_run_measures_every_part_and_writes_its_table():
     with tarfile.open(out / "logs.tar.gz") as logs:
         names = set(logs.getnames())
     assert {"A.log", "B.log", "S4x.log", "A-ddp.log", "B-ddp.log", "M_sft.log", "E_tests.log", "P.log",
-            "estimate_2048_selective.log"} <= names
+            f"estimate_{4 * a_tokens}_selective.log"} <= names
     assert {f"{part}/profile/{name}" for part in by_part for name in ("trace.json.gz", "profile.json")} <= names
     shutil.rmtree(folder)  # kept where the test fails, to be read

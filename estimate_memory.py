@@ -33,6 +33,7 @@ STRATEGIES = {
     "fsdp2-tp": ["fsdp2_tp_pretrain.py"],  # --tp
     "fsdp2-cp": ["fsdp2_cp_pretrain.py"],  # --cp
     "fsdp2-3d": ["fsdp2_3d_pretrain.py"],  # --dp-replicate, --cp, --tp
+    "fsdp2-muon": ["fsdp2_muon_pretrain.py"],  # Muon's one buffer per matrix, against AdamW's two
     "pp": ["pp_pretrain.py"],
     "sft": ["fsdp2_sft.py", "--data", "data/builtin-sft"],
     "grpo": ["fsdp2_grpo.py", "--data", "data/builtin-rl"],  # its training step on replies of the bucket's length

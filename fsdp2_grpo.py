@@ -39,7 +39,7 @@ SCRIPT = Path(__file__).stem  # names the run folder and is recorded in every ch
 RESUMED_BY = [SCRIPT]
 # What --init-from reads: a model/ folder of DCP shards (the FSDP2 layout) or an export_hf.py folder.
 STARTS_FROM = ["fsdp2_sft", "fsdp2_grpo", "fsdp2_pretrain", "fsdp2_tp_pretrain", "fsdp2_cp_pretrain", "pp_pretrain",
-               "fsdp2_3d_pretrain", "export_hf"]
+               "fsdp2_3d_pretrain", "fsdp2_muon_pretrain", "export_hf"]
 # Each --model preset's training defaults: the values of the flags left unset (its shape: common.MODEL_PRESETS).
 PRESETS = {
     "tiny": dict(buckets=[72], tokens_per_batch=512, lr=1e-4, warmup_steps=2, max_steps=20, eval_every=10,

@@ -43,7 +43,11 @@ ROWS = {
     "3d replicate 2": ("fsdp2_3d_pretrain.py", ["--dp-replicate", "2"], 1, (2, 4)),
     "3d cp 2 x tp 2": ("fsdp2_3d_pretrain.py", ["--cp", "2", "--tp", "2"], 4, (4,)),
     "3d 2 x 2 x 2": ("fsdp2_3d_pretrain.py", ["--dp-replicate", "2", "--cp", "2", "--tp", "2"], 4, (8,)),
+    "muon": ("fsdp2_muon_pretrain.py", [], 1, (2, 4)),  # another optimizer: against its own world 1 (AGAINST_ITSELF)
 }
+# Rows whose reference is their own script on one process (--grad-accum: the same batches a step), not DDP: training
+# that no other script's matches.
+AGAINST_ITSELF = {"muon"}
 COMPARED = ["max |loss - DDP|", "max |grad norm - DDP|", "max |val loss - DDP|"]  # each within --tolerance
 COLUMNS = [*COMPARED, "val loss", "buckets", "seconds"]
 BUCKETS = "32,64,128"  # few, so that the last one comes early: every world size trains each of them
@@ -82,7 +86,8 @@ def parse_args(argv=None):
 
 
 def planned_rows(args):
-    """[(name, script, flags, the ranks that read the same samples, world)] to run against DDP, in table order."""
+    """[(name, script, flags, the ranks that read the same samples, world)] to run against their reference (DDP's, or
+    AGAINST_ITSELF's), in table order."""
     if args.scripts:
         return [(Path(script).name, script, [], 1, world) for script in args.scripts for world in args.world or [2]]
     rows = []
@@ -213,7 +218,8 @@ def draw(rows, out_dir, path):
         label, colour = f"{row['row']}, world {row['world']}", colours[i % len(colours)]
         if row["reference"] not in drawn:
             curves.plot(list(reference), [r["loss"] for r in reference.values()], color="black", linewidth=3,
-                        alpha=0.3, label=f"DDP, {row['reference'].split('-')[1]} batches a step")
+                        alpha=0.3, label=f"{row['reference'].split('-')[0]}, {row['reference'].split('-')[1]} "
+                        f"batches a step")
             drawn.add(row["reference"])
         curves.plot(list(steps), [r["loss"] for r in steps.values()], color=colour, linewidth=1, label=label)
         gap = [max(difference(steps[s]["loss"], reference[s]["loss"]), 1e-12) for s in steps if s in reference]
@@ -243,17 +249,20 @@ def main():
         if status:
             failures.append(f"{name} at world {world}: the run failed (exit {status}): {error}")
             continue
-        # DDP's reference takes the row's global batch (its config.json), on 2 processes (world 1: 1): made once.
+        # DDP's reference takes the row's global batch (its config.json), on 2 processes (world 1: 1): made once; an
+        # AGAINST_ITSELF row's, its own script on one process.
         config, ranks = json.loads((out_dir / folder / "config.json").read_text()), min(2, world)
         batches = config["tokens_per_step"] // config["flags"]["tokens_per_batch"]
-        row["reference"] = f"ddp-{batches}-batches-{steps}-steps"
+        reference, ranks = (script, 1) if name in AGAINST_ITSELF else ("ddp_pretrain.py", ranks)
+        row["reference"] = f"{Path(reference).stem}-{batches}-batches-{steps}-steps"
         if batches % ranks:
             failures.append(f"{name} at world {world}: {batches} batches a step, which DDP on 2 processes cannot take")
             continue
-        _, status, error, _ = run("ddp_pretrain.py", ["--grad-accum", str(batches // ranks)], ranks, steps,
+        _, status, error, _ = run(reference, ["--grad-accum", str(batches // ranks)], ranks, steps,
                                   out_dir / row["reference"], args)
         if status:
-            raise common.ReportedError(f"DDP's reference of {batches} batches a step failed (exit {status}): {error}")
+            raise common.ReportedError(f"{reference}'s reference of {batches} batches a step failed (exit {status}): "
+                                       f"{error}")
         row.update(compare(out_dir / folder, out_dir / row["reference"]))
         failures += [f"{name} at world {world}: {failure}" for failure in
                      failed_checks(row, config["flags"]["warmup_steps"], args.tolerance)]

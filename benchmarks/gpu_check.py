@@ -30,6 +30,8 @@ profiled (benchmarks/step_profile.py: the GPU's busy share), after the timing so
           (at 1x: A). Every row beside its estimate (run at the start, on the CPU, while A runs): the estimate's error.
   A-ddp   ddp_pretrain.py at the fastest setting above (or --best), and B-ddp, the bare loop as DDP there: the loop's
           cost under DDP, and what FSDP2's own machinery costs on one rank (the fastest row / A-ddp).
+  A-muon  fsdp2_muon_pretrain.py at A's setting: Muon's owner ranks and Newton-Schulz against A's AdamW (the goal:
+          within 5% of A's tokens/s).
   E       tests/test_cuda.py: every training script's CUDA path (tiny preset, bf16, NCCL; one with --compile; the waits
           for the GPU per step, counted by torch.cuda.set_sync_debug_mode).
   P       parity.py's single-GPU rows in bf16: FSDP1, FSDP2 and the 3D script (every degree 1) against DDP on the GPU,
@@ -37,7 +39,8 @@ profiled (benchmarks/step_profile.py: the GPU's busy share), after the timing so
   M       estimate_memory.py --check-on-gpu: its estimate for the SFT at 8,192 beside one real step's peak.
   A-eager and A2 (bucket 1,024): if time is left.
 A compiled qwen2-0.5b run takes 75-100 s on an H100 (its compile most of it): the 550 s hold A, B and the first
-three sweep rows; `--parts S2x-full,S1x,A-ddp,B-ddp` and `--parts E,P,M` run the others in calls of their own.
+three sweep rows; `--parts S2x-full,S1x,A-ddp,B-ddp,A-muon` and `--parts E,P,M` run the others in calls of their
+own.
 Goals in the table: MFU at least 45% at the best setting, at least 40% where the estimate fits 24 GB; a script
 within 5% of its bare loop; step times within 10% of each other ((slowest - fastest) / median of the timed steps);
 the estimate within 10% of the run's peak allocated memory.
@@ -80,7 +83,7 @@ cli = parser.parse_args()
 # In order of value: our loop against its bare loop, the sweep, DDP at its best, every script's CUDA path, bf16 parity;
 # the parts after each in ORDER keep their time (KEPT); the last two run only if time is left.
 SWEEP = ["S4x", "S4x-full", "S2x", "S2x-full", "S1x"]  # S<k>x: k x A's tokens a micro-batch; -full: full checkpointing
-ORDER = ["A", "B", *SWEEP, "A-ddp", "B-ddp", "E", "P", "M"]
+ORDER = ["A", "B", *SWEEP, "A-ddp", "B-ddp", "A-muon", "E", "P", "M"]
 ALL_PARTS = ORDER + ["A-eager", "A2"]
 PARTS = ALL_PARTS if cli.parts is None else cli.parts.split(",")
 if set(PARTS) - set(ALL_PARTS):
@@ -153,9 +156,10 @@ SWEEP_SETTINGS = {"S4x": (4 * TOKENS_PER_BATCH, None), "S4x-full": (4 * TOKENS_P
                   "S1x": (TOKENS_PER_BATCH, None)}
 # Each part's time bound (seconds) and the time kept for it while earlier parts run, from the H100 runs of 2026-11-27
 # (a compiled qwen2-0.5b run took 75-90 s, most of it compiling); a part beyond its bound stops, the next ones run.
-BOUNDS = {"A": 150, "B": 150, **{part: 150 for part in SWEEP}, "A-ddp": 150, "B-ddp": 120, "M": 150, "E": 240}
-KEPT = {"A": 100, "B": 95, **{part: 100 for part in SWEEP}, "A-ddp": 100, "B-ddp": 90, "E": 120, "P": 150, "M": 90,
-        "A-eager": 90, "A2": 90}
+BOUNDS = {"A": 150, "B": 150, **{part: 150 for part in SWEEP}, "A-ddp": 150, "B-ddp": 120, "A-muon": 150, "M": 150,
+          "E": 240}
+KEPT = {"A": 100, "B": 95, **{part: 100 for part in SWEEP}, "A-ddp": 100, "B-ddp": 90, "A-muon": 100, "E": 120,
+        "P": 150, "M": 90, "A-eager": 90, "A2": 90}
 with torch.device("meta"):  # no memory: only the parameter count and shapes, for the FLOPs per token
     meta_model = modeling.build_model(MODEL)
 N_PARAMS, MODEL_CONFIG = meta_model.num_parameters(), meta_model.config
@@ -458,8 +462,8 @@ def best_setting():
 
 
 # The ratios of the table: a part's tokens/s over another's, on the first one's row, once both have run.
-RATIOS = [("A", "B"), ("A-ddp", "B-ddp"), ("A-eager", "A"), *[(part, "A") for part in SWEEP]]
-BARE_OF = {"A": "B", "A-ddp": "B-ddp"}  # a script's part: its bare loop's at the same setting
+RATIOS = [("A", "B"), ("A-ddp", "B-ddp"), ("A-muon", "A"), ("A-eager", "A"), *[(part, "A") for part in SWEEP]]
+BARE_OF = {"A": "B", "A-ddp": "B-ddp", "A-muon": "A"}  # a part's baseline at the same setting (Muon's: AdamW's)
 FITS_24_GB = 24 * 2**30 * 0.9 / 1e9  # estimate_memory.py's rule: 24 GiB less the 10% kept for the allocator
 
 
@@ -586,6 +590,8 @@ measure_part("A-ddp", f"ddp_pretrain.py, bucket {BUCKET}, {setting(best_tokens, 
                                                   checkpointing=best_checkpointing))
 measure_part("B-ddp", f"bare loop as DDP, bucket {BUCKET}, {setting(best_tokens, best_checkpointing)}, "
              f"{compiled(COMPILE)}", bare_loop("B-ddp", "ddp", best_tokens, best_checkpointing))
+measure_part("A-muon", f"fsdp2_muon_pretrain.py, bucket {BUCKET}, {setting(TOKENS_PER_BATCH, 'full')}, "
+             f"{compiled(COMPILE)}", pretrain("A-muon", "fsdp2_muon_pretrain.py", BUCKET, *COMPILE))
 run_part("E", "tests/test_cuda.py: every training script, tiny, bf16, 1 GPU, one with --compile", cuda_tests)
 run_part("P", f"parity.py: the single-GPU rows against DDP, {PARITY_DTYPE}", parity_rows)
 run_part("M", "estimate_memory.py --check-on-gpu: the SFT", memory_estimates, goal=memory_goal)

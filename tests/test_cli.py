@@ -16,7 +16,7 @@ from helpers import REPO, check, run_script
 
 STAGES = {"ddp_pretrain.py": "train", "fsdp1_pretrain.py": "train", "fsdp2_pretrain.py": "train",
           "fsdp2_tp_pretrain.py": "train", "fsdp2_cp_pretrain.py": "train", "fsdp2_3d_pretrain.py": "train",
-          "pp_pretrain.py": "train", "fsdp2_sft.py": "sft", "fsdp2_grpo.py": "grpo"}
+          "pp_pretrain.py": "train", "fsdp2_muon_pretrain.py": "train", "fsdp2_sft.py": "sft", "fsdp2_grpo.py": "grpo"}
 PRESETS = {STAGES[script]: loading.script_presets(script) for script in STAGES}  # each kind of script's
 
 

@@ -11,7 +11,8 @@ from helpers import REPO
 # no venvs
 SOURCES = sorted(p for p in REPO.rglob("*.py") if not any(part.startswith(".") for part in p.relative_to(REPO).parts))
 TRAINING_SCRIPTS = ["ddp_pretrain.py", "fsdp1_pretrain.py", "fsdp2_pretrain.py", "fsdp2_tp_pretrain.py",
-                    "fsdp2_cp_pretrain.py", "fsdp2_3d_pretrain.py", "pp_pretrain.py", "fsdp2_sft.py", "fsdp2_grpo.py"]
+                    "fsdp2_cp_pretrain.py", "fsdp2_3d_pretrain.py", "pp_pretrain.py", "fsdp2_muon_pretrain.py",
+                    "fsdp2_sft.py", "fsdp2_grpo.py"]
 
 
 def calls(tree):

@@ -32,6 +32,7 @@ PRETRAINING = {  # run name: the script and its flags beyond TINY_STEPS and --da
     "fsdp2_cp_pretrain": ["fsdp2_cp_pretrain.py", "--cp", 1],
     "fsdp2_3d_pretrain": ["fsdp2_3d_pretrain.py"],  # every degree 1 on one GPU
     "pp_pretrain": ["pp_pretrain.py", "--pp", 1],
+    "fsdp2_muon_pretrain": ["fsdp2_muon_pretrain.py"],  # Muon's owner ranks: one, the whole matrix its own
 }
 PIPELINE_MARK = pytest.mark.skipif(not PIPELINE_SCALES_LOSS,
                                    reason=f"torch {torch.__version__}'s pipeline schedules take no loss_kwargs")

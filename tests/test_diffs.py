@@ -27,6 +27,8 @@ DIFFS = {
     ("ddp_pretrain.py", "pp_pretrain.py"):  # the stage module, its schedule per bucket, the tied weight's two copies
         {"preamble": 15, "setup": 17, "data": 2, "distributed": 5, "model": 28, "wrap": 4, "pipeline": 20,
          "training step": 32, "checkpoint": 28, "resume": 2, "evaluation": 8, "training loop": 4},
+    ("fsdp2_pretrain.py", "fsdp2_muon_pretrain.py"):  # Muon for the layers' matrices, over FSDP2's shards; its resume
+        {"preamble": 12, "optimizer": 71, "resume": 3},
     ("fsdp2_pretrain.py", "fsdp2_sft.py"):  # chat data, its init read shard by shard, the marker rows, accuracy
         {"preamble": 38, "setup": 14, "data": 13, "model": 2, "init from a checkpoint": 17, "evaluation": 16, "end": 4},
     ("fsdp2_sft.py", "fsdp2_grpo.py"):  # prompts and rewards, rollouts, the advantage and the policy-gradient loss

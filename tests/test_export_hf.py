@@ -21,7 +21,7 @@ from helpers import REPO, SFT_DATA, check, read_metrics, run_script, shown, tree
 from prepare_data import encode_conversation
 
 SCRIPTS = ["ddp_pretrain.py", "fsdp1_pretrain.py", "fsdp2_pretrain.py", "fsdp2_tp_pretrain.py", "fsdp2_cp_pretrain.py",
-           "pp_pretrain.py", "fsdp2_sft.py", "fsdp2_grpo.py"]
+           "pp_pretrain.py", "fsdp2_muon_pretrain.py", "fsdp2_sft.py", "fsdp2_grpo.py"]
 STRINGS = ["Hello world, it's 2026!", "  two  spaces, tabs\tand\nnewlines\n\n",
            "naïve café Ærøskøbing 東京 🙂",
            "1234567 + 89 = 1234656", "def f(x):\n    return [i ** 2 for i in range(10)]  # code\n",

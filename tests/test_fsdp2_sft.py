@@ -14,8 +14,9 @@ from prepare_data import encode_conversation
 NEW_ROWS = slice(common.EOT_ID + 1, common.EOT_ID + 1 + len(common.SPECIAL_TOKENS))
 
 
-def test_init_from_loads_every_pretrained_parameter(tiny_run, tmp_path):
-    pretrain_dir, _ = tiny_run("fsdp2_pretrain.py")
+@pytest.mark.parametrize("script", ["fsdp2_pretrain.py", "fsdp2_muon_pretrain.py"])  # AdamW's, Muon's
+def test_init_from_loads_every_pretrained_parameter(script, tiny_run, tmp_path):
+    pretrain_dir, _ = tiny_run(script)
     # lr 0: the step-1 checkpoint holds exactly the weights the SFT started from.
     check(run_script("fsdp2_sft.py", "--model", "tiny", "--init-from", pretrain_dir, "--lr", 0, "--max-steps", 1,
                      "--eval-generate", 0, "--val-fraction", 0.002, *SFT_DATA, "--out-dir", tmp_path / "sft", nproc=2))

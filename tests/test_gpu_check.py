@@ -26,7 +26,8 @@ INDUCTOR_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR",
 
 
 # The parts the suite runs: each function of the check once (S4x: the sweep's, its estimate for no checkpointing over
-# the memory, so selective); S4x-full, S2x, S2x-full and S1x are the same function with other numbers, shown skipped.
+# the memory, so selective); S4x-full, S2x, S2x-full, S1x and A-muon are the same function with other numbers or
+# another script, shown skipped.
 PARTS = "A,B,S4x,A-ddp,B-ddp,E,P,M"
 
 
@@ -51,8 +52,8 @@ def test_dry_run_measures_every_part_and_writes_its_table():
     results = json.loads((out / "results.json").read_text())
     rows = results["parts"]
     assert [row["part"] for row in rows] == ["A", "B", "S4x", "S4x-full", "S2x", "S2x-full", "S1x", "A-ddp", "B-ddp",
-                                             "E", "P", "P", "P", "M"]
-    skipped = [row for row in rows if row["part"] in ("S4x-full", "S2x", "S2x-full", "S1x")]
+                                             "A-muon", "E", "P", "P", "P", "M"]
+    skipped = [row for row in rows if row["part"] in ("S4x-full", "S2x", "S2x-full", "S1x", "A-muon")]
     assert all(row["outcome"] == "skipped: not in --parts" for row in skipped)
     rows = [row for row in rows if row not in skipped]
     assert all(row["outcome"].startswith("ok") for row in rows), rows
@@ -89,7 +90,7 @@ def test_dry_run_measures_every_part_and_writes_its_table():
     # The memory estimate's plumbing: the SFT's on the CPU (no GPU: nothing to hold it against).
     assert rows[-1]["configuration"].startswith("estimate_memory.py sft, bucket 256: estimate ")
     assert rows[-1]["ratio"] is None
-    assert rows[5]["outcome"] == "ok: 0 passed, 0 failed, 11 skipped of 11"  # every script's CUDA test, collected
+    assert rows[5]["outcome"] == "ok: 0 passed, 0 failed, 12 skipped of 12"  # every script's CUDA test, collected
     # parity.py's single-GPU rows, here on the CPU in fp32: each script against DDP on one process.
     assert [row["configuration"].split(":")[0] for row in rows[6:9]] == [
         f"parity.py {script}, world 1, fp32, 6 steps" for script in ("fsdp1_pretrain.py", "fsdp2_pretrain.py",

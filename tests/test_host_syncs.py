@@ -14,7 +14,8 @@ from helpers import read_metrics
 EXPECTED = {"ddp_pretrain.py": {"tolist": 1, "nonzero": 1}, "fsdp1_pretrain.py": {"tolist": 1, "nonzero": 1},
             "fsdp2_pretrain.py": {"tolist": 1, "nonzero": 1}, "fsdp2_tp_pretrain.py": {"tolist": 1, "nonzero": 2},
             "fsdp2_cp_pretrain.py": {"tolist": 1, "nonzero": 2}, "pp_pretrain.py": {"tolist": 1},
-            "fsdp2_sft.py": {"tolist": 1, "nonzero": 1}, "fsdp2_grpo.py": {"tolist": 2, "nonzero": 2}}
+            "fsdp2_muon_pretrain.py": {"tolist": 1, "nonzero": 1}, "fsdp2_sft.py": {"tolist": 1, "nonzero": 1},
+            "fsdp2_grpo.py": {"tolist": 2, "nonzero": 2}}
 
 
 @pytest.mark.parametrize("script", EXPECTED)

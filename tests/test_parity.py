@@ -25,6 +25,8 @@ ROWS = {
     "cp 2": (("fsdp2_cp_pretrain.py", [], 2), DDP_ONE_PROCESS),
     "pp 2, 1F1B": (("pp_pretrain.py", [], 2), DDP_ONE_PROCESS),
     "pp 2 x dp 2, GPipe": (("pp_pretrain.py", ["--pp", 2, "--pp-schedule", "gpipe", "--grad-accum", 1], 4), DDP),
+    # Muon's own training, against itself on one process (parity.py's AGAINST_ITSELF row).
+    "muon, its world 1": (("fsdp2_muon_pretrain.py", [], 2), ("fsdp2_muon_pretrain.py", ["--grad-accum", 2], 1)),
 }
 
 
@@ -81,7 +83,7 @@ def test_the_table_json_and_plot_hold_every_row(parity_of_two_forks):
     assert report["tolerance"] == 1e-5 and report["steps"] == 6 and set(rows) == {"my_fork.py", "broken_fork.py"}
     assert rows["my_fork.py"]["max |loss - DDP|"] <= 1e-5 and rows["my_fork.py"]["max |grad norm - DDP|"] <= 1e-5
     assert rows["broken_fork.py"]["max |grad norm - DDP|"] > 1e-3
-    assert rows["my_fork.py"]["reference"] == rows["broken_fork.py"]["reference"] == "ddp-2-batches-6-steps"  # run once
+    assert rows["my_fork.py"]["reference"] == rows["broken_fork.py"]["reference"] == "ddp_pretrain-2-batches-6-steps"
     lines = result.stdout.splitlines()
     assert lines[0].split()[:2] == ["row", "world"]
     fork_line = next(line for line in lines if line.startswith("my_fork.py"))

@@ -111,7 +111,7 @@ checkpoints.same_on_every_rank(resume_dir)  # the ranks' lookups, compared befor
 # pass, so they are neighbours. Ranks 0..tp-1 are one tp group, cp groups step by tp, and so on.
 # Two views of that grid, unflattened from one flat mesh (torch deprecates slicing flattened dimensions out of a root
 # mesh): how ranks read (dp: those that read different samples; a cp x tp group reads alike), and how they hold the
-# weights (FSDP2 shards over dp_shard_cp: a cp group holds the same ones).
+# weights (FSDP2 shards over shard_cp, dp_shard x cp: a cp group holds the same ones).
 world = init_device_mesh(device.type, (world_size,), mesh_dim_names=("world",))
 data_mesh = world._unflatten(0, (args.dp_replicate * dp_shard, args.cp, args.tp), ("dp", "cp", "tp"))
 weight_mesh = world._unflatten(0, (args.dp_replicate, dp_shard * args.cp, args.tp), ("replicate", "shard_cp", "tp"))
@@ -193,7 +193,7 @@ for layer in model.model.layers if args.tp > 1 else []:  # tp 1: plain tensors, 
 # ---------------------------------------------------------------------------------------------- wrap
 # bf16: compute on bf16 copies of the gathered parameters; reduce gradients and keep the shards in fp32.
 mixed_precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-# HSDP: a 2D mesh, shards over dp_shard_cp, each shard replicated over dp_replicate (gradients reduce-scattered within
+# HSDP: a 2D mesh, shards over shard_cp, each shard replicated over the replicas (gradients reduce-scattered within
 # a replica, then all-reduced across replicas); with one replica, FSDP2's 1D mesh. TP's shards are split again.
 fsdp_mesh = weight_mesh["replicate", "shard_cp"] if args.dp_replicate > 1 else weight_mesh["shard_cp"]
 for layer in model.model.layers:  # one unit per decoder layer: only one layer is ever gathered at a time

@@ -9,9 +9,10 @@ them).
 
 A row runs its script on `world` ranks with --grad-accum making up the ranks that read the same samples (tp, cp, pp),
 so each step takes world batches, as DDP's reference of that world does (DDP on 2 processes, --grad-accum world / 2,
-made once per world); a row of world W runs --steps x 2 / W steps, the samples of --steps at world 2. Exit status 1
-when a row's loss, gradient norm or validation loss differs from DDP's by more than --tolerance (relative where DDP's
-value is above 1) or is not a number at some step, when it trains fewer buckets than DDP or no step past the warmup,
+made once per world; an AGAINST_ITSELF row's, Muon's, is its own script on one process); a row of world W runs
+--steps x 2 / W steps, the samples of --steps at world 2. Exit status 1
+when a row's loss, gradient norm or validation loss differs from its reference's by more than --tolerance (relative
+above 1) or is not a number at some step, when it trains fewer buckets than DDP or no step past the warmup,
 or a run fails: one line per such row, naming it and the columns. A finished run is reused while its command, its code
 (the script and every module it imports), torch's version and the device are the same.
 """
@@ -64,7 +65,7 @@ def parse_args(argv=None):
                         "trains beyond the warmup (5 steps)")
     parser.add_argument("--data", default="data/builtin", help="a prepared folder (`python prepare_data.py`)")
     parser.add_argument("--tolerance", type=common.number(float, 0), default=1e-5, help="the largest difference from "
-                        "DDP a row may show in loss or grad norm (relative above 1)")
+                        "its reference a row may show in loss, grad norm or validation loss (relative above 1)")
     parser.add_argument("--out-dir", default="runs/parity", help="the runs, parity.json and parity.png go here")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="every run's (bf16: see "
                         "docs/parity.md for the tolerance it meets)")

@@ -38,10 +38,10 @@ profiled (benchmarks/step_profile.py: the GPU's busy share), after the timing so
           tiny preset, 32 steps; how far bf16 takes them from DDP, against docs/parity.md's 1e-2.
   M       estimate_memory.py --check-on-gpu: its estimate for the SFT at 8,192 beside one real step's peak.
   A-eager and A2 (bucket 1,024): if time is left.
-A compiled qwen2-0.5b run takes 75-100 s on an H100 (its compile most of it): the 550 s hold A, B and the first
-three sweep rows; `--parts S2x-full,S1x,A-ddp,B-ddp,A-muon` and `--parts E,P,M` run the others in calls of their
-own.
-Goals in the table: MFU at least 45% at the best setting, at least 40% where the estimate fits 24 GB; a script
+A compiled qwen2-0.5b run took 75-90 s on an H100 (its compile most of it): the 550 s hold A, B and the first
+three sweep rows; `--parts A,A-muon,S2x-full,S1x,A-ddp,B-ddp --best TOKENS:CHECKPOINTING` (the first call's fastest
+row) and `--parts E,P,M` run the others in calls of their own.
+Goals in the table: MFU at least 45% (for the best row), at least 40% where the estimate fits 24 GB; a script
 within 5% of its bare loop; step times within 10% of each other ((slowest - fastest) / median of the timed steps);
 the estimate within 10% of the run's peak allocated memory.
 The text fills each bucket: CPython's help topics and docstrings (the built-in corpus), shuffled and joined into
@@ -204,8 +204,9 @@ for source, folder, kind in ((long_text, work / "text", "pretrain"), (long_chats
     data[folder.name] = {"documents": meta["documents"], "tokens": meta["tokens"]}
 
 # ---------------------------------------------------------------------------------------------- the estimates
-# estimate_memory.py at every setting of A and the sweep, on the CPU and in the background while the first parts run:
-# a sweep part's checkpointing is the lightest whose estimate fits the GPU, and every row shows its estimate's error.
+# estimate_memory.py at every setting of A and the sweep, on the CPU and in the background while A starts (about 20 s
+# on 16 cores, done before A's timed steps): a sweep part's checkpointing is the lightest whose estimate fits the GPU,
+# and every FSDP2 row shows its estimate's error.
 
 
 def estimate_gb(tokens, checkpointing):
@@ -430,7 +431,8 @@ def pretrain(part, script, bucket, *flags, tokens=TOKENS_PER_BATCH, checkpointin
                until)
         shutil.rmtree(work / part / "checkpoints", ignore_errors=True)  # 4.8 GB each at qwen2-0.5b
         return [{**steady_state(work / part, bucket), "gpu_busy": gpu_busy(part), "tokens_per_batch": tokens,
-                 "checkpointing": chosen, "estimate_gb": estimated(tokens, chosen) if bucket == BUCKET else None,
+                 "checkpointing": chosen, "estimate_gb": estimated(tokens, chosen)
+                 if (script, bucket) == ("fsdp2_pretrain.py", BUCKET) else None,  # the estimates are FSDP2's
                  "configuration": f"{script}, bucket {bucket}, {setting(tokens, chosen)}, {compiled(flags)}"}]
     return measure
 

@@ -8,8 +8,8 @@ optimizer step to the end of the next: the loop's logging, then the step. Steps 
 before them warms the profiler up). Rank 0 writes DIR/trace.json.gz (chrome://tracing or ui.perfetto.dev) and
 DIR/profile.json: per step, the wall time, the share of it in which the GPU runs a kernel or a copy (busy), the rest
 (idle: what the GPU waits for the host), the longest such gap, the calls that wait for the GPU (cudaStreamSynchronize
-and its kin), the kernel launches and the aten operators the host dispatches (a CPU's count of the step's host work);
-and the operators that take the most GPU time (on a CPU: host time).
+and its kin), the kernel launches and the aten operators the host dispatches (a CPU's count of the step's host work),
+the host's time in optimizer.step(); and the operators that take the most GPU time (on a CPU: host time).
 """
 import argparse
 import gzip
@@ -91,6 +91,8 @@ def write_profile(profiler):
         "launches": sum("LaunchKernel" in name or "GraphLaunch" in name for name in runtime) / n_steps,
         "aten_ops": sum(event.get("cat") == "cpu_op" and event["name"].startswith("aten::")
                         and start <= event["ts"] <= end for event in events) / n_steps,  # nested ones too
+        "optimizer_ms": sum(event["dur"] for event in events if event["name"].startswith("Optimizer.step#")
+                            and start <= event["ts"] <= end) / n_steps / 1e3,  # the host's time in optimizer.step()
         "top_operators": [{"name": average.key, "ms_per_step": getattr(average, key) / n_steps / 1e3,
                            "calls_per_step": average.count / n_steps} for average in operators],
         "time_of": "GPU" if on_gpu else "host",

@@ -61,7 +61,12 @@ if is_victim and kind == "listing":
     import checkpoints
 
     real_complete_checkpoints = checkpoints.complete_checkpoints
-    checkpoints.complete_checkpoints = lambda checkpoint_root: real_complete_checkpoints(checkpoint_root)[:-int(number)]
+
+    def complete_checkpoints(checkpoint_root):
+        found = real_complete_checkpoints(checkpoint_root)
+        return found[:len(found) - int(number)]
+
+    checkpoints.complete_checkpoints = complete_checkpoints
 
 
 if is_victim and kind == "step":

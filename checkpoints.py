@@ -15,7 +15,7 @@ import common
 
 
 class CheckpointError(common.ReportedError):
-    """A checkpoint (or export) damaged since it was written, or whose tensors do not fit the model. Exit status 3."""
+    """A checkpoint (or export) damaged since written, unlike on other ranks, or not fitting the model. Exit 3."""
     exit_status = 3
 
 
@@ -67,12 +67,12 @@ def report_failure(out_dir, step):
     try:
         yield
     except (OSError, RuntimeError, CheckpointException) as error:  # DCP's: every rank's failures, on every rank
-        cause = next(iter(error.failures.values()))[0] if isinstance(error, CheckpointException) else error
-        if not isinstance(cause, OSError) and "inline_container.cc" not in str(cause):  # (torch.save's zip writer)
-            raise  # not the filesystem's refusal (a dead peer, a timed-out collective, a full GPU): its own error
+        causes = [cause for cause, _ in error.failures.values()] if isinstance(error, CheckpointException) else [error]
+        if not (refused := [e for e in causes if isinstance(e, OSError) or "inline_container.cc" in str(e)]):
+            raise  # no rank's filesystem refused it (torch.save's says inline_container.cc): a dead peer, a bug, ...
         free = shutil.disk_usage(out_dir).free / 1e9 if os.path.isdir(out_dir) else 0.0  # (a folder removed)
         print(file=sys.__stderr__)  # end the progress bar's line
-        raise SaveFailed(f"--out-dir {out_dir}: saving step {step} failed ({type(cause).__name__}: {cause}; "
+        raise SaveFailed(f"--out-dir {out_dir}: saving step {step} failed ({type(refused[0]).__name__}: {refused[0]}; "
                          f"{free:.1f} GB free): every complete checkpoint is whole; free space or fix the "
                          f"folder, then run the same command with --resume auto")
 
@@ -128,22 +128,24 @@ def find_resume_checkpoint(args, checkpoint_root, script):
     if newer := [p for p in existing if int(p.name[5:]) > meta["step"]]:  # saving on from here would collide with them
         raise common.UsageError(f"--resume {checkpoint_dir}: {checkpoint_root} already holds newer checkpoints "
                                 f"({newer[-1].name}): move them away or use another --out-dir")
-    if meta["step"] >= args.max_steps and args.resume == "auto":  # a requeued job or restarted group, its run complete
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"already finished at step {meta['step']} ({checkpoint_dir}): nothing to train", flush=True)
-        sys.exit(0)
-    if meta["step"] >= args.max_steps:  # else the run would end at once, its summary all zeros
+    if meta["step"] >= args.max_steps and args.resume != "auto":  # (auto: a finished run ends in same_on_every_rank)
         raise common.UsageError(f"--max-steps {args.max_steps}: --resume {checkpoint_dir} is at step {meta['step']} "
                                 f"already, nothing to train: raise --max-steps")
     return checkpoint_dir
 
 
-def same_on_every_rank(resume_dir):
-    """Each rank looked --resume up in its own listing of --out-dir, which a shared filesystem may cache per node."""
+def same_on_every_rank(resume_dir, init_dir, args):
+    """Before any load: each rank found its checkpoint in its own listing, which a shared filesystem may cache."""
     found = [None] * dist.get_world_size()
-    dist.all_gather_object(found, str(resume_dir))
+    dist.all_gather_object(found, str(resume_dir or init_dir))
     if len(set(found)) > 1:
-        raise CheckpointError(f"the ranks found different checkpoints ({', '.join(sorted(set(found)))}): pass --resume")
+        raise CheckpointError(f"the ranks found different checkpoints ({', '.join(sorted(set(found)))}): pass one")
+    if resume_dir and (step := read_meta(resume_dir, "--resume")["step"]) >= args.max_steps:  # auto's: a requeued job
+        if dist.get_rank() == 0:
+            print(f"already finished at step {step} ({resume_dir}): nothing to train", flush=True)
+        dist.barrier()  # gloo's, before the group is destroyed
+        dist.destroy_process_group()
+        sys.exit(0)
 
 
 ORDER_FLAGS = {"data_sha256": "--data", "val_fraction": "--val-fraction", "buckets": "--buckets",

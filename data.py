@@ -261,8 +261,8 @@ def collate(split, sample_ids, bucket_len, batch_size, device):
 # The data order: what the sequence of training samples depends on.
 
 def data_order(args, train, val, world_size, samples_per_rank, batch_flags, bucket_order):
-    """What the training samples' order depends on (checkpoints.check_resume: a resume may not change it), once every
-    split has samples. samples_per_rank: a step's per bucket on each rank that reads its own, set by batch_flags."""
+    """What the training samples' order depends on (checkpoints.check_resume: a resume may not change it), once the
+    splits have samples: samples_per_rank (a step's samples by bucket on a rank, set by batch_flags), bucket_order."""
     if len(train.lengths) < world_size:
         raise common.UsageError(f"the data gives {len(train.lengths)} training samples, fewer than the {world_size} "
                                 f"ranks: use more --data or fewer ranks")

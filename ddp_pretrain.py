@@ -75,7 +75,7 @@ if rank == 0:
 common.init_process_group(device, fake)
 if device.type == "cuda":
     torch.cuda.set_device(device)
-checkpoints.same_on_every_rank(resume_dir)  # the ranks' lookups, compared before any load
+checkpoints.same_on_every_rank(resume_dir, init_dir, args)  # the ranks' lookups, compared before any load
 
 # ---------------------------------------------------------------------------------------------- model
 torch.manual_seed(args.seed)  # the same init on every rank, and in every script
@@ -257,7 +257,7 @@ while step < args.max_steps and not stop_votes:
              "batch_size": batch_size, "tokens_per_s": tokens / step_time,
              "mfu": mfu, "peak_mem_gb": step_peak_mem_gb, "peak_reserved_gb": step_peak_reserved_gb,
              "elapsed_s": time.perf_counter() - start_time})
-    if (step % args.eval_every == 0 or step == args.max_steps) and not stop_votes:  # a stopped step saves at once
+    if step == args.max_steps or (step % args.eval_every == 0 and not stop_votes):  # a stopped step saves at once
         validation = evaluate()
         log({"step": step, **validation})
     if step % args.save_every == 0 or step == args.max_steps or stop_votes:

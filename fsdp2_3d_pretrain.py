@@ -105,7 +105,7 @@ if rank == 0:
 common.init_process_group(device, fake)
 if device.type == "cuda":
     torch.cuda.set_device(device)
-checkpoints.same_on_every_rank(resume_dir)  # the ranks' lookups, compared before any load
+checkpoints.same_on_every_rank(resume_dir, init_dir, args)  # the ranks' lookups, compared before any load
 # Outermost the slowest links: replicas (across nodes) exchange one gradient all-reduce per layer and step; shards
 # gather every layer twice a step; cp ranks gather keys and values every layer; tp ranks all-reduce twice per layer and
 # pass, so they are neighbours. Ranks 0..tp-1 are one tp group, cp groups step by tp, and so on.
@@ -113,7 +113,7 @@ checkpoints.same_on_every_rank(resume_dir)  # the ranks' lookups, compared befor
 # mesh): how ranks read (dp: those that read different samples; a cp x tp group reads alike), and how they hold the
 # weights (FSDP2 shards over shard_cp, dp_shard x cp: a cp group holds the same ones).
 world = init_device_mesh(device.type, (world_size,), mesh_dim_names=("world",))
-data_mesh = world._unflatten(0, (args.dp_replicate * dp_shard, args.cp, args.tp), ("dp", "cp", "tp"))
+data_mesh = world._unflatten(0, (dp_size, args.cp, args.tp), ("dp", "cp", "tp"))
 weight_mesh = world._unflatten(0, (args.dp_replicate, dp_shard * args.cp, args.tp), ("replicate", "shard_cp", "tp"))
 dp_rank, cp_rank, tp_rank = (data_mesh[name].get_local_rank() for name in ("dp", "cp", "tp"))
 cp_group, dp_cp_group = data_mesh["cp"].get_group(), data_mesh["dp", "cp"]._flatten("dp_cp").get_group()  # tokens
@@ -352,7 +352,7 @@ while step < args.max_steps and not stop_votes:
     batches = [data.collate(train, step_samples[micro * dp_size + dp_rank::dp_size * args.grad_accum], bucket_len,
                             batch_size, device) for micro in range(args.grad_accum)]
     loss_sum, grad_norm = train_step(batches, target_tokens)
-    # Over all ranks, tp rank 0's loss alone: torchtitan's sum over dp_cp (tp ranks share a loss); a signal stops all.
+    # Over all ranks, tp rank 0's loss alone (its tp ranks share it: torchtitan sums over dp_cp), and any signal.
     step_sums = torch.stack([loss_sum * (tp_rank == 0), loss_sum.new_full((), len(stop_signals))])
     dist.all_reduce(step_sums)  # for the log and the check (the gradients were already exact), and the stop
     loss_sum, stop_votes, grad_norm = torch.cat([step_sums, grad_norm[None]]).tolist()  # the step's one wait for it
@@ -378,7 +378,7 @@ while step < args.max_steps and not stop_votes:
              "batch_size": batch_size, "tokens_per_s": tokens / step_time,
              "mfu": mfu, "peak_mem_gb": step_peak_mem_gb, "peak_reserved_gb": step_peak_reserved_gb,
              "elapsed_s": time.perf_counter() - start_time})
-    if (step % args.eval_every == 0 or step == args.max_steps) and not stop_votes:  # a stopped step saves at once
+    if step == args.max_steps or (step % args.eval_every == 0 and not stop_votes):  # a stopped step saves at once
         validation = evaluate()
         log({"step": step, **validation})
     if step % args.save_every == 0 or step == args.max_steps or stop_votes:

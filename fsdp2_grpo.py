@@ -110,7 +110,7 @@ if rank == 0:
 common.init_process_group(device, fake)
 if device.type == "cuda":
     torch.cuda.set_device(device)
-checkpoints.same_on_every_rank(resume_dir)  # the ranks' lookups, compared before any load
+checkpoints.same_on_every_rank(resume_dir, init_dir, args)  # the ranks' lookups, compared before any load
 
 # ---------------------------------------------------------------------------------------------- model
 torch.manual_seed(args.seed)  # the same init on every rank, and in every script
@@ -377,7 +377,7 @@ while step < args.max_steps and not stop_votes:
              "zero_spread_groups": flat_groups / n_groups, "reply_tokens": target_tokens / n_replies,
              "with_markers": with_markers / n_replies, "worked": worked / n_replies, "rollout_s": rollout_time,
              "train_s": step_time})
-    if (step % args.eval_every == 0 or step == args.max_steps) and not stop_votes:  # a stopped step saves at once
+    if step == args.max_steps or (step % args.eval_every == 0 and not stop_votes):  # a stopped step saves at once
         validation = evaluate()
         log({"step": step, **validation})
     if step % args.save_every == 0 or step == args.max_steps or stop_votes:

@@ -79,7 +79,7 @@ if rank == 0:
 common.init_process_group(device, fake)
 if device.type == "cuda":
     torch.cuda.set_device(device)
-checkpoints.same_on_every_rank(resume_dir)  # the ranks' lookups, compared before any load
+checkpoints.same_on_every_rank(resume_dir, init_dir, args)  # the ranks' lookups, compared before any load
 
 # ---------------------------------------------------------------------------------------------- model
 torch.manual_seed(args.seed)  # the same init on every rank, and in every script
@@ -104,8 +104,8 @@ fully_shard(model, mp_policy=mixed_precision)  # the root: embedding, tied head,
 # ---------------------------------------------------------------------------------------------- optimizer
 def newton_schulz(update, steps=5, coefficients=(3.4445, -4.7750, 2.0315), eps=1e-7):
     """Muon's orthogonalization, torch.optim.Muon's iteration in the run's dtype (bf16 on a GPU, as torch's always
-    is; fp32 on a CPU): scaled to a spectral norm of at most 1, five quintic steps push every singular value of the
-    matrix towards 1 (to within about 0.7-1.2), keeping its singular vectors: U S V^T -> about U V^T."""
+    is; fp32 on a CPU): scaled to a spectral norm of at most 1, five quintic steps push the singular values of the
+    matrix towards 1 (all but the smallest to about 0.7-1.2), keeping its singular vectors: U S V^T -> about U V^T."""
     x = update.to(dtype)
     tall = x.shape[0] > x.shape[1]  # iterate on the wide form: its Gram matrix is the smaller one
     x = (x.T if tall else x) / x.norm().clamp(min=eps)
@@ -121,7 +121,7 @@ class MuonWithAdamW(torch.optim.AdamW):
     on each rank's own shard, each matrix gathered whole to one owner rank, orthogonalized there, scattered back."""
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None):  # (the script passes no closure: AdamW's would run after Muon's update)
         group = next(group for group in self.param_groups if group.get("muon"))
         matrices = [p for p in group["params"] if p.grad is not None]
         for p in matrices:  # one buffer per matrix (AdamW keeps two), a DTensor sharded as its matrix: DCP reshards it;
@@ -133,11 +133,11 @@ class MuonWithAdamW(torch.optim.AdamW):
         buffers = [self.state[p]["momentum_buffer"].to_local() for p in matrices]
         torch._foreach_lerp_(buffers, grads, 1 - 0.95)  # momentum 0.95, element by element: each rank its rows
         updates = torch._foreach_lerp(grads, buffers, 0.95)  # Nesterov's: the gradient, 0.95 of the way to the buffer
-        # Matrix i's owner is rank i % world: the work is dealt round-robin. Each rank's rows of it, padded to FSDP2's
-        # chunk (ceil(rows / world)), are gathered to the owner; the owner orthogonalizes the whole and scatters each
-        # rank's rows back: per step, each rank sends and receives about 2/world of the matrices (at qwen2-0.5b's 358M
-        # matrix elements on 8 GPUs: 0.31 GB in fp32) and orthogonalizes 1/world of them (21 of 168). The simpler
-        # way, every rank gathering every matrix, would move 1.25 GB into each rank and repeat all 168 on each.
+        # Matrix i's owner is rank i % world, dealt round-robin (a layer's 7 kinds evenly unless world % 7 == 0).
+        # Each rank's rows of it, padded to FSDP2's chunk (ceil(rows / world)), are gathered to the owner; the owner
+        # orthogonalizes the whole and scatters each rank's rows back: per step, each rank sends and receives about
+        # 2/world of the matrices (at qwen2-0.5b's 358M matrix elements on 8 GPUs: 0.31 GB in fp32) and orthogonalizes
+        # 1/world of them (21 of 168). Every rank gathering every matrix would move 1.25 GB into each, repeat all 168.
         chunks = [math.ceil(p.shape[0] / world_size) for p in matrices]
         rows = [F.pad(update, (0, 0, 0, chunk - len(update))) for update, chunk in zip(updates, chunks)]
         wholes = [[torch.empty_like(x) for _ in range(world_size)] if i % world_size == rank else None
@@ -327,7 +327,7 @@ while step < args.max_steps and not stop_votes:
              "batch_size": batch_size, "tokens_per_s": tokens / step_time,
              "mfu": mfu, "peak_mem_gb": step_peak_mem_gb, "peak_reserved_gb": step_peak_reserved_gb,
              "elapsed_s": time.perf_counter() - start_time})
-    if (step % args.eval_every == 0 or step == args.max_steps) and not stop_votes:  # a stopped step saves at once
+    if step == args.max_steps or (step % args.eval_every == 0 and not stop_votes):  # a stopped step saves at once
         validation = evaluate()
         log({"step": step, **validation})
     if step % args.save_every == 0 or step == args.max_steps or stop_votes:

@@ -91,7 +91,7 @@ if rank == 0:
 common.init_process_group(device, fake)
 if device.type == "cuda":
     torch.cuda.set_device(device)
-checkpoints.same_on_every_rank(resume_dir)  # the ranks' lookups, compared before any load
+checkpoints.same_on_every_rank(resume_dir, init_dir, args)  # the ranks' lookups, compared before any load
 # Rows are replicas, which FSDP2 shards across; columns split each layer. A tp group's ranks are neighbours, so on a
 # node the most frequent collectives, TP's, run over the fastest links.
 mesh = init_device_mesh(device.type, (dp_size, args.tp), mesh_dim_names=("dp", "tp"))
@@ -275,7 +275,7 @@ while step < args.max_steps and not stop_votes:
     batches = [data.collate(train, step_samples[micro * dp_size + dp_rank::dp_size * args.grad_accum], bucket_len,
                             batch_size, device) for micro in range(args.grad_accum)]
     loss_sum, grad_norm = train_step(batches, target_tokens)
-    # The loss once per replica (its tp ranks all hold it), and any rank's signal: over all ranks, so all stop alike.
+    # Over all ranks, tp rank 0's loss alone (its tp ranks share it: torchtitan sums over dp), and any signal.
     step_sums = torch.stack([loss_sum * (tp_rank == 0), loss_sum.new_full((), len(stop_signals))])
     dist.all_reduce(step_sums)  # for the log and the check (the gradients were already exact), and the stop
     loss_sum, stop_votes, grad_norm = torch.cat([step_sums, grad_norm[None]]).tolist()  # the step's one wait for it
@@ -301,7 +301,7 @@ while step < args.max_steps and not stop_votes:
              "batch_size": batch_size, "tokens_per_s": tokens / step_time,
              "mfu": mfu, "peak_mem_gb": step_peak_mem_gb, "peak_reserved_gb": step_peak_reserved_gb,
              "elapsed_s": time.perf_counter() - start_time})
-    if (step % args.eval_every == 0 or step == args.max_steps) and not stop_votes:  # a stopped step saves at once
+    if step == args.max_steps or (step % args.eval_every == 0 and not stop_votes):  # a stopped step saves at once
         validation = evaluate()
         log({"step": step, **validation})
     if step % args.save_every == 0 or step == args.max_steps or stop_votes:

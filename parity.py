@@ -14,14 +14,14 @@ made once per world; an AGAINST_ITSELF row's, Muon's, is its own script on one p
 when a row's loss, gradient norm or validation loss differs from its reference's by more than --tolerance (relative
 above 1) or is not a number at some step, when it trains fewer buckets than DDP or no step past the warmup,
 or a run fails: one line per such row, naming it and the columns. A finished run is reused while its command, its code
-(the script and every module it imports), torch's version and the device are the same.
+(the script and every module it imports), its data, Python's and the libraries' versions and the device are the same.
 """
+import ast
 import hashlib
 import importlib.metadata
 import json
 import math
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -106,16 +106,26 @@ def sources(script):
         path = todo.pop()
         if str(path) not in found:
             found[str(path)] = hashlib.sha256(path.read_bytes()).hexdigest()
-            names = re.findall(r"^\s*(?:from|import)\s+(\w+)", path.read_text(), flags=re.MULTILINE)
-            todo += [folder / f"{name}.py" for name in names for folder in (path.parent, REPO)
-                     if (folder / f"{name}.py").is_file()]
+            nodes = list(ast.walk(ast.parse(path.read_bytes())))
+            names = [alias.name for node in nodes if isinstance(node, ast.Import) for alias in node.names]
+            names += [node.module for node in nodes if isinstance(node, ast.ImportFrom) and node.module]
+            todo += [folder / f"{name.split('.')[0]}.py" for name in names for folder in (path.parent, REPO)
+                     if (folder / f"{name.split('.')[0]}.py").is_file()]
     return found
 
 
-def run_key(script, command, device):
-    """What a finished run is reused for: the same command, code (sources), torch and device. The dtype is a flag."""
-    return {"command": command, "sources": sources(REPO / script), "torch": importlib.metadata.version("torch"),
-            "device": device}
+def run_key(script, command, args):
+    """What a finished run is reused for: the same command (the dtype is a flag), code (sources), data (its prepared
+    content's sha256), Python and libraries, and device."""
+    meta = Path(args.data) / "meta.json"
+    gpu = None
+    if args.device == "cuda":
+        import torch  # only here: the rows run in their own processes
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return {"command": command, "sources": sources(REPO / script), "python": sys.version,
+            "data": json.loads(meta.read_text()).get("content_sha256") if meta.is_file() else None,
+            "versions": {name: importlib.metadata.version(name) for name in ("torch", "transformers", "numpy")},
+            "device": args.device, "gpu": gpu}
 
 
 def run(script, flags, nproc, steps, out_dir, args):
@@ -125,7 +135,7 @@ def run(script, flags, nproc, steps, out_dir, args):
                "--model", "tiny", "--dtype", args.dtype, "--data", args.data, "--max-steps", str(steps),
                "--eval-every", str(steps), "--save-every", str(steps), "--buckets", BUCKETS, "--bucket-order",
                "ascending", "--val-fraction", "0.002", *flags, "--out-dir", str(out_dir)]
-    done, key = out_dir / "parity-run.json", run_key(script, command[1:], args.device)
+    done, key = out_dir / "parity-run.json", run_key(script, command[1:], args)
     if done.is_file() and json.loads(done.read_text()) == key:
         return json.loads((out_dir / "parity-seconds.json").read_text()), 0, "", True
     shutil.rmtree(out_dir, ignore_errors=True)  # a run that failed or ran another command
@@ -162,9 +172,10 @@ def largest(differences):
 
 
 def compare(out_dir, reference_dir, steps=None):
-    """{column: value} of a run against DDP's over STEPS (default: every step DDP logged): the largest loss, grad norm
-    and validation loss differences (relative where DDP's value is above 1; a step the run did not log, or logged in
-    another bucket, counts as infinite), its last validation loss, and the buckets its steps and DDP's trained."""
+    """{column: value} of a run against its reference (DDP's, or its own) over STEPS (default: every step the reference
+    logged): the largest loss, grad norm and validation loss differences (relative where the reference's value is
+    above 1; a step the run did not log, or logged in another bucket, counts as infinite), its last validation loss,
+    and the buckets its steps and the reference's trained ("DDP buckets")."""
     (train, val), (reference, reference_val) = read_steps(out_dir), read_steps(reference_dir)
     steps = list(steps or reference)
 
@@ -181,12 +192,13 @@ def compare(out_dir, reference_dir, steps=None):
 
 
 def failed_checks(row, warmup_steps, tolerance):
-    """What fails a compared row: a difference over the tolerance or not a number, fewer buckets than DDP's, or every
-    step inside the warmup (where the learning rate is small, so is any difference)."""
+    """What fails a compared row: a difference over the tolerance or not a number (a step in another bucket than
+    DDP's counts as infinite), a reference that trained fewer than BUCKETS' buckets, or no step past the warmup (where
+    the learning rate is small, so is any difference)."""
     failed = [f"{column} is {row[column]:.1e}" for column in COMPARED if not row[column] <= tolerance]  # NaN too
     failed = [f"{', '.join(failed)}, over --tolerance {tolerance:g}"] if failed else []
-    if row["buckets"] < row["DDP buckets"] or row["steps"] <= warmup_steps:
-        failed.append(f"{row['steps']} steps in {row['buckets']} buckets, where DDP's took {row['DDP buckets']} and "
+    if row["DDP buckets"] < len(BUCKETS.split(",")) or row["steps"] <= warmup_steps:
+        failed.append(f"{row['steps']} steps train {row['DDP buckets']} of the {len(BUCKETS.split(','))} buckets, "
                       f"the warmup {warmup_steps}: raise --steps")
     return failed
 

@@ -91,7 +91,7 @@ if rank == 0:
 common.init_process_group(device, fake)
 if device.type == "cuda":
     torch.cuda.set_device(device)
-checkpoints.same_on_every_rank(resume_dir)  # the ranks' lookups, compared before any load
+checkpoints.same_on_every_rank(resume_dir, init_dir, args)  # the ranks' lookups, compared before any load
 mesh = init_device_mesh(device.type, (dp_size, args.pp), mesh_dim_names=("dp", "pp"))  # rows: pipelines, each in order
 dp_rank, stage_index, pp_group = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank(), mesh["pp"].get_group()
 is_first, is_last = stage_index == 0, stage_index == args.pp - 1
@@ -322,7 +322,7 @@ while step < args.max_steps and not stop_votes:
              "batch_size": batch_size, "tokens_per_s": tokens / step_time,
              "mfu": mfu, "peak_mem_gb": step_peak_mem_gb, "peak_reserved_gb": step_peak_reserved_gb,
              "elapsed_s": time.perf_counter() - start_time})
-    if (step % args.eval_every == 0 or step == args.max_steps) and not stop_votes:  # a stopped step saves at once
+    if step == args.max_steps or (step % args.eval_every == 0 and not stop_votes):  # a stopped step saves at once
         validation = evaluate()
         log({"step": step, **validation})
     if step % args.save_every == 0 or step == args.max_steps or stop_votes:

@@ -38,17 +38,19 @@ profiled (benchmarks/step_profile.py: the GPU's busy share), after the timing so
           tiny preset, 32 steps; how far bf16 takes them from DDP, against docs/parity.md's 1e-2.
   M       estimate_memory.py --check-on-gpu: its estimate for the SFT at 8,192 beside one real step's peak.
   A-eager and A2 (bucket 1,024): if time is left.
-A compiled qwen2-0.5b run took 75-90 s on an H100 (its compile most of it): the 550 s hold A, B and the first
-three sweep rows; `--parts A,A-muon,S2x-full,S1x,A-ddp,B-ddp --best TOKENS:CHECKPOINTING` (the first call's fastest
-row) and `--parts E,P,M` run the others in calls of their own.
-Goals in the table: MFU at least 45% (for the best row), at least 40% where the estimate fits 24 GB; a script
+A compiled qwen2-0.5b run at 16,384 tokens took 75-90 s on the H100s of 2026-11-27 (its compile most of it): the 550 s
+hold A, B, S4x and S4x-full; the others run in calls of their own, each with a fresh A where a ratio needs it:
+  --parts A,A-ddp,B-ddp,A-muon --best TOKENS:CHECKPOINTING --budget 480   (--best: the first call's fastest row)
+  --parts S2x,S2x-full,S1x,E --budget 550        and        --parts P,M --budget 300
+Goals in the table: MFU at least 45% (on every A and sweep row; the best row decides), at least 40% where the
+estimate fits 24 GB; a script
 within 5% of its bare loop; step times within 10% of each other ((slowest - fastest) / median of the timed steps);
 the estimate within 10% of the run's peak allocated memory.
 The text fills each bucket: CPython's help topics and docstrings (the built-in corpus), shuffled and joined into
 documents of 30 bucket lengths, so every sample but a few is a whole bucket (the non-padding share is in the table).
 The SFT's conversations are the same text as replies of about 4,000 tokens and of over 8,192 (cut to 8,192).
 MFU = model FLOPs per token x non-padding tokens/s / the GPU's dense bf16 peak (docs/metrics.md). The dry run compiles
-with torch.compile's eager backend only (tests/test_compile.py proves --compile on a CPU) and counts host time.
+nothing (tests/test_compile.py proves --compile on a CPU) and counts host time.
 Writes results.json, results.md (the tables, printed last) and logs.tar.gz (logs and traces) into --out (default $OUT).
 """
 import argparse
@@ -78,7 +80,7 @@ parser.add_argument("--budget", type=float, default=None,
 parser.add_argument("--parts", default=None,
                     help="only these parts, comma-separated (default: all; e.g. A,B where little GPU time is left)")
 parser.add_argument("--best", default=None, help="A-ddp's and B-ddp's setting, TOKENS:CHECKPOINTING (e.g. 65536:none), "
-                    "where no sweep row runs in this call (default: the fastest sweep row; without one, A's)")
+                    "where no sweep row runs in this call (default: the fastest of A and the sweep; else A's)")
 cli = parser.parse_args()
 # In order of value: our loop against its bare loop, the sweep, DDP at its best, every script's CUDA path, bf16 parity;
 # the parts after each in ORDER keep their time (KEPT); the last two run only if time is left.
@@ -144,10 +146,10 @@ import prepare_data  # noqa: E402
 # ---------------------------------------------------------------------------------------------- the settings
 if cli.dry_run:
     MODEL, BUCKET, SECOND_BUCKET, TOKENS_PER_BATCH, STEPS, SKIP, SFT_BUCKETS = "tiny", 128, 64, 256, 6, 2, (128, 256)
-    COMPILE, BACKEND = [], "eager"  # tests/test_compile.py compiles the scripts on a CPU; here, the plumbing only
+    COMPILE = []  # tests/test_compile.py compiles the scripts on a CPU; here, the plumbing only
 else:
     MODEL, BUCKET, SECOND_BUCKET, TOKENS_PER_BATCH, STEPS, SKIP = "qwen2-0.5b", 2048, 1024, 16384, 30, 10
-    SFT_BUCKETS, COMPILE, BACKEND = (4096, 8192), ["--compile"], "inductor"
+    SFT_BUCKETS, COMPILE = (4096, 8192), ["--compile"]
 # After the timed steps: the profiler's warm-up step, the 3 it records, and the run's last (evaluation, checkpoint).
 TAIL, PROFILED = 5, f"{STEPS + 2}-{STEPS + 4}"
 # Each sweep part's tokens a micro-batch and checkpointing (None: the lightest whose estimate fits this GPU).
@@ -155,11 +157,12 @@ SWEEP_SETTINGS = {"S4x": (4 * TOKENS_PER_BATCH, None), "S4x-full": (4 * TOKENS_P
                   "S2x": (2 * TOKENS_PER_BATCH, None), "S2x-full": (2 * TOKENS_PER_BATCH, "full"),
                   "S1x": (TOKENS_PER_BATCH, None)}
 # Each part's time bound (seconds) and the time kept for it while earlier parts run, from the H100 runs of 2026-11-27
-# (a compiled qwen2-0.5b run took 75-90 s, most of it compiling); a part beyond its bound stops, the next ones run.
-BOUNDS = {"A": 150, "B": 150, **{part: 150 for part in SWEEP}, "A-ddp": 150, "B-ddp": 120, "A-muon": 150, "M": 150,
+# (a compiled qwen2-0.5b run took 75-90 s at 16,384 tokens, most of it compiling; 4x and 2x the tokens a step add
+# steps that take longer); a part beyond its bound stops, the next ones run.
+BOUNDS = {"A": 150, "B": 150, **{part: 180 for part in SWEEP}, "A-ddp": 150, "B-ddp": 120, "A-muon": 150, "M": 150,
           "E": 240}
-KEPT = {"A": 100, "B": 95, **{part: 100 for part in SWEEP}, "A-ddp": 100, "B-ddp": 90, "A-muon": 100, "E": 120,
-        "P": 150, "M": 90, "A-eager": 90, "A2": 90}
+KEPT = {"A": 100, "B": 95, "S4x": 130, "S4x-full": 130, "S2x": 110, "S2x-full": 110, "S1x": 100, "A-ddp": 100,
+        "B-ddp": 90, "A-muon": 100, "E": 120, "P": 150, "M": 90, "A-eager": 90, "A2": 90}
 with torch.device("meta"):  # no memory: only the parameter count and shapes, for the FLOPs per token
     meta_model = modeling.build_model(MODEL)
 N_PARAMS, MODEL_CONFIG = meta_model.num_parameters(), meta_model.config
@@ -170,7 +173,7 @@ PEAK_FLOPS = next((flops for name, flops in metrics.PEAK_BF16_FLOPS.items() if n
 # tokens: decoding and encoding again may move a cut by a token or two, which must not spill into a 31st sample).
 tokenizer = common.get_tokenizer()
 documents = tokenizer.encode_ordinary_batch(list(prepare_data.builtin_documents()))
-# Enough documents that the sweep's biggest micro-batches take an epoch's steps or more before the data repeats.
+# Enough documents that the sweep's 4x micro-batches train every step of a run within one epoch.
 DOCUMENT_TOKENS = 30 * (BUCKET - 1) + 1 - 16
 N_DOCUMENTS = max(18, 2 + (STEPS + TAIL) * 4 * TOKENS_PER_BATCH // BUCKET // 30)
 # A conversation is its reply and 8 tokens more: the short ones fill the small bucket, the long ones are cut to the big.
@@ -204,18 +207,23 @@ for source, folder, kind in ((long_text, work / "text", "pretrain"), (long_chats
     data[folder.name] = {"documents": meta["documents"], "tokens": meta["tokens"]}
 
 # ---------------------------------------------------------------------------------------------- the estimates
-# estimate_memory.py at every setting of A and the sweep, on the CPU and in the background while A starts (about 20 s
-# on 16 cores, done before A's timed steps): a sweep part's checkpointing is the lightest whose estimate fits the GPU,
-# and every FSDP2 row shows its estimate's error.
+# estimate_memory.py at every setting of A and the sweep, on the CPU and in the background while A starts (at most 4 at
+# once, beside A's compile): a sweep part's checkpointing is the lightest whose estimate fits the GPU, and every FSDP2
+# row shows its estimate's error.
 
 
 def estimate_gb(tokens, checkpointing):
-    """estimate_memory.py's peak (GB) for fsdp2_pretrain.py on this one GPU at BUCKET; None where it failed."""
+    """estimate_memory.py's peak (GB) for fsdp2_pretrain.py on this one GPU at BUCKET; None where it failed (its log
+    says why) or took over 240 s."""
     folder = work / f"estimate_{tokens}_{checkpointing}"
-    done = subprocess.run([sys.executable, "estimate_memory.py", "--model", MODEL, "--gpus", "1", "--strategies",
-                           "fsdp2", "--buckets", str(BUCKET), "--tokens-per-batch", str(tokens),
-                           "--activation-checkpointing", checkpointing, "--data", str(work / "text"), "--out",
-                           str(folder)], cwd=REPO, env=ENV, capture_output=True, text=True)
+    try:
+        done = subprocess.run([sys.executable, "estimate_memory.py", "--model", MODEL, "--gpus", "1", "--strategies",
+                               "fsdp2", "--buckets", str(BUCKET), "--tokens-per-batch", str(tokens),
+                               "--activation-checkpointing", checkpointing, "--data", str(work / "text"), "--out",
+                               str(folder)], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired as timeout:
+        (work / f"{folder.name}.log").write_text(f"{timeout}\n")
+        return None
     (work / f"{folder.name}.log").write_text(done.stdout + done.stderr)
     buckets = json.loads((folder / "memory.json").read_text())["estimates"]["fsdp2"]["buckets"] \
         if done.returncode == 0 else []
@@ -229,18 +237,19 @@ for part, (tokens, checkpointing) in SWEEP_SETTINGS.items():
     needed |= {(tokens, mode) for mode in ([checkpointing] if checkpointing else ["none", "selective"])
                if part in PARTS}
 needed |= {(4 * TOKENS_PER_BATCH, "selective")} if cli.dry_run and needed else set()
-estimator = ThreadPoolExecutor(os.cpu_count() or 1)
+estimator = ThreadPoolExecutor(min(4, os.cpu_count() or 1))
 estimates = {setting: estimator.submit(estimate_gb, *setting) for setting in sorted(needed)}
 
 
 def estimated(tokens, checkpointing):
+    """The estimate at a setting (waiting for it); None where it was not needed, failed or raised (a bug here)."""
     found = estimates.get((tokens, checkpointing))
-    return found.result() if found else None
+    return found.result() if found and found.exception() is None else None
 
 
 def lightest_that_fits(tokens):
     """The lightest checkpointing whose estimate fits this GPU less the 10% estimate_memory.py keeps for the allocator
-    (the dry run, no GPU: what 4x's selective estimate fits, so that the choice takes each of its ways), or None."""
+    (the dry run, no GPU: what 4x's selective estimate fits, so that 4x takes selective over none), or None."""
     usable = versions["memory_gb"] * 0.9 if versions["memory_gb"] else estimated(4 * TOKENS_PER_BATCH, "selective")
     return next((mode for mode in ("none", "selective") if (estimated(tokens, mode) or math.inf) <= (usable or 0)),
                 None)
@@ -293,7 +302,7 @@ def table():
 def write_results():
     results["elapsed_s"] = round(time.monotonic() - clock_start, 1)
     results["estimates_gb"] = {f"{tokens}:{mode}": found.result() for (tokens, mode), found in estimates.items()
-                               if found.done()}
+                               if found.done() and found.exception() is None}
     (out / "results.json").write_text(json.dumps(results, indent=2))
     (out / "results.md").write_text(table())
     traces = sorted(work.glob("*/profile/*"))
@@ -424,8 +433,10 @@ def pretrain(part, script, bucket, *flags, tokens=TOKENS_PER_BATCH, checkpointin
     def measure(until):
         chosen = checkpointing or lightest_that_fits(tokens)
         if chosen is None:
-            found = ", ".join(f"{mode} {estimated(tokens, mode) or 0:.1f} GB" for mode in ("none", "selective"))
-            return [{"outcome": f"skipped: only full checkpointing fits (estimated: {found}); see {part}-full"}]
+            found = ", ".join(f"{mode} {gb:.1f} GB" if (gb := estimated(tokens, mode)) else f"{mode}: failed (its log)"
+                              for mode in ("none", "selective"))
+            full = "A" if tokens == TOKENS_PER_BATCH else f"{part}-full"
+            return [{"outcome": f"skipped: only full checkpointing fits (estimated: {found}); see {full}"}]
         launch(part, torchrun(script, *PRETRAIN_FLAGS, "--buckets", bucket, "--tokens-per-batch", tokens,
                               "--activation-checkpointing", chosen, *flags, "--out-dir", work / part, profile=part),
                until)
@@ -473,7 +484,7 @@ def goals(row):
     """A speed row's goals: MFU 45%, and 40% where the estimate fits 24 GB; within 5% of its bare loop; step times
     within 10%; the estimate within 10% of the run's peak allocated memory."""
     found, on_gpu = [], row.get("peak_reserved_gb") is not None
-    if on_gpu and row["part"] in ("A", *SWEEP):
+    if on_gpu and row["part"] in ("A", *SWEEP) and row.get("mfu") is not None:  # None: a GPU of unknown peak
         found.append(f"MFU >= 45%: {'met' if row['mfu'] >= 0.45 else 'NOT met'}")
         if (row.get("estimate_gb") or math.inf) <= FITS_24_GB:
             found.append(f"fits 24 GB, MFU >= 40%: {'met' if row['mfu'] >= 0.40 else 'NOT met'}")

@@ -4,12 +4,14 @@ reach AdamW's final validation loss?
 
     python benchmarks/muon_vs_adamw.py --out runs/muon_vs_adamw        # small preset, 2 ranks, 300 steps a run
 
-Writes results.json and curves.png (validation loss against step, every run) into --out; prints a table. A run whose
-folder holds its finished metrics is read, not run again (delete the folder to rerun it).
+Writes results.json and curves.png (validation loss against step, every run) into --out; prints a table. A finished run
+is read, not run again, while its command and the repository's Python files are the same.
 """
 import argparse
+import hashlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -29,17 +31,18 @@ out = Path(cli.out)
 
 
 def run(optimizer, lr, seed):
-    """A run's validation losses {step: loss} and its seconds per step (from its metrics)."""
+    """A run's validation losses {step: loss} and its seconds per step, evaluations included (from its metrics)."""
     folder = out / f"{optimizer}-lr{lr}-seed{seed}"
     metrics = folder / "metrics.jsonl"
-    done = metrics.is_file() and any(json.loads(line).get("step") == cli.steps and "val_loss" in json.loads(line)
-                                     for line in metrics.read_text().splitlines())
-    if not done:
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        SCRIPTS[optimizer], "--model", cli.model, "--lr", lr, "--seed", str(seed), "--max-steps",
-                        str(cli.steps), "--eval-every", str(cli.eval_every), "--save-every", str(cli.steps),
-                        "--out-dir", str(folder)], cwd=REPO, check=True, capture_output=True,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", SCRIPTS[optimizer],
+               "--model", cli.model, "--lr", lr, "--seed", str(seed), "--max-steps", str(cli.steps), "--eval-every",
+               str(cli.eval_every), "--save-every", str(cli.steps), "--out-dir", str(folder)]
+    key = {"command": command, "code": {path.name: hashlib.sha256(path.read_bytes()).hexdigest()
+                                        for path in sorted(REPO.glob("*.py"))}}  # every script and shared module
+    if not (folder / "run-key.json").is_file() or json.loads((folder / "run-key.json").read_text()) != key:
+        shutil.rmtree(folder, ignore_errors=True)
+        subprocess.run(command, cwd=REPO, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        (folder / "run-key.json").write_text(json.dumps(key))
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     val = {row["step"]: row["val_loss"] for row in rows if "val_loss" in row}
     steps = [row for row in rows if "loss" in row]
@@ -76,7 +79,7 @@ results = {"steps": cli.steps, "model": cli.model, "lrs": lrs, "seeds": seeds, "
            "runs": {f"{o} seed {s}": {"val": v, "s_per_step": t} for (o, s), (v, t) in runs.items()},
            "muon_steps_over_adamw_steps": ratios, "mean": mean, "interval_95": half}
 (out / "results.json").write_text(json.dumps(results, indent=1))
-print(f"{'optimizer':>9} {'lr':>6} final val loss (seed {seeds[0]}), s a step")
+print(f"{'optimizer':>9} {'lr':>6} final val loss (seed {seeds[0]}), s a step (evaluations included)")
 for (optimizer, lr), (val, seconds) in sweep.items():
     print(f"{optimizer:>9} {lr:>6} {val[cli.steps]:.4f} {seconds:.2f}{'  best' if best[optimizer] == lr else ''}")
 for seed, ratio in zip(seeds, ratios):

@@ -44,11 +44,11 @@ PROBES = {"fsdp2_tp_pretrain.py": ("tests/tp_probe.py", "TP_PROBE"),
 
 
 def pytest_collection_modifyitems(items):
-    """A test that reads a shared run (tiny_run, ddp_one_process: multi-process runs, or shared with them) is slow, as
-    is one marked so (it starts multi-process runs of its own). test_gpu_check.py's test runs last: it waits for the GPU
-    check's dry run, which starts in the background (pytest_runtest_setup)."""
+    """A test that reads a shared run (tiny_run, ddp_one_process, parity_of_two_forks: multi-process runs, or shared
+    with them) is slow, as is one marked so (it starts multi-process runs of its own). test_gpu_check.py's test runs
+    last: it waits for the GPU check's dry run, which starts in the background (pytest_runtest_setup)."""
     for item in items:
-        if {"tiny_run", "ddp_one_process"} & set(item.fixturenames):
+        if {"tiny_run", "ddp_one_process", "parity_of_two_forks"} & set(item.fixturenames):
             item.add_marker(pytest.mark.slow)
     items.sort(key=lambda item: item.path.name == "test_gpu_check.py")
 

@@ -28,6 +28,7 @@ from helpers import (
     BUILTIN_TEXT,
     EXTRA_FLAGS,
     RL_DATA,
+    SFT_DATA,
     TINY_RUN,
     assert_same_weights_and_moments,
     check,
@@ -253,17 +254,22 @@ def test_resume_auto_on_a_finished_run_ends_at_once_with_status_0_and_writes_not
     assert refused.returncode == 2 and "nothing to train: raise --max-steps" in refused.stderr
 
 
-def test_ranks_that_find_different_checkpoints_to_resume_stop_in_one_line_before_loading(tiny_run, tmp_path):
-    """Rank 1's listing of --out-dir without its newest checkpoint, as a shared filesystem's cache on another node can
-    be: the ranks compare their choices before any load and stop in one line, the checkpoint error's status."""
-    out = tmp_path / "run"
+def test_ranks_that_find_different_checkpoints_stop_in_one_line_before_loading(tiny_run, tmp_path):
+    """Rank 1's listing without the newest checkpoint, as a shared filesystem's cache on another node can be: the
+    ranks compare their choices before any load and stop in one line, the checkpoint error's status. Under --resume
+    auto the run is finished in rank 0's listing and not in rank 1's: no rank ends on its own view. --init-from a run
+    folder (its newest checkpoint) is compared the same way."""
+    out, source = tmp_path / "run", tiny_run("fsdp2_pretrain.py")[0]
     shutil.copytree(tiny_run("ddp_pretrain.py")[0] / "checkpoints", out / "checkpoints")
-    before = tree_hashes(out / "checkpoints")
-    result = run_script("tests/crash.py", "ddp_pretrain.py", *TINY_RUN, "--max-steps", 30, "--resume", "auto",
-                        "--out-dir", out, nproc=2, env={"CRASH_AT": "listing:1", "CRASH_RANK": "1"})
-    assert result.returncode == checkpoints.CheckpointError.exit_status == 3
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and errors[0].startswith("error: the ranks found different checkpoints ("), errors
-    assert f"{out / 'checkpoints' / 'step_10'}, {out / 'checkpoints' / 'step_20'}" in errors[0]
-    assert not traceback_through_our_code(result.stderr) and tree_hashes(out / "checkpoints") == before
-    assert not (out / "metrics.jsonl").exists()
+    before = {folder: tree_hashes(folder / "checkpoints") for folder in (out, source)}
+    cases = [("ddp_pretrain.py", ["--resume", "auto"], out, out),
+             ("fsdp2_sft.py", [*SFT_DATA, "--init-from", source], source, tmp_path / "sft")]
+    for script, flags, found, out_dir in cases:
+        result = run_script("tests/crash.py", script, *TINY_RUN, *flags, "--out-dir", out_dir, nproc=2,
+                            env={"CRASH_AT": "listing:1", "CRASH_RANK": "1"})
+        assert result.returncode == checkpoints.CheckpointError.exit_status == 3, result.stderr[-2000:]
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and errors[0].startswith("error: the ranks found different checkpoints ("), errors
+        assert f"{found / 'checkpoints' / 'step_10'}, {found / 'checkpoints' / 'step_20'}" in errors[0]
+        assert not traceback_through_our_code(result.stderr) and not (out_dir / "metrics.jsonl").exists()
+    assert {folder: tree_hashes(folder / "checkpoints") for folder in (out, source)} == before

@@ -72,7 +72,7 @@ def test_dry_run_measures_every_part_and_writes_its_table():
     estimates, a_tokens = results["estimates_gb"], by_part["A"]["tokens_per_batch"]
     full, none, selective = f"{a_tokens}:full", f"{4 * a_tokens}:none", f"{4 * a_tokens}:selective"
     assert set(estimates) == {full, none, selective}  # only those the parts that run need
-    assert estimates[none] > estimates[selective] > estimates[full] > 0
+    assert estimates[none] > estimates[selective] > 0 and estimates[full] > 0  # at 4x: no recompute holds more
     for part, tokens, checkpointing in (("A", a_tokens, "full"), ("S4x", 4 * a_tokens, "selective")):
         row = by_part[part]
         assert (row["tokens_per_batch"], row["checkpointing"]) == (tokens, checkpointing)

@@ -91,10 +91,10 @@ def test_the_table_json_and_plot_hold_every_row(parity_of_two_forks):
     assert (out / "parity.png").stat().st_size > 10_000
 
 
-def test_a_run_is_reused_only_while_its_code_torch_and_device_are_the_same(tmp_path, monkeypatch):
+def test_a_run_is_reused_only_while_its_code_data_libraries_and_device_are_the_same(tmp_path, monkeypatch):
     """parity.py's run(), its torchrun stood in for: a finished run is reused while nothing that decides its numbers
-    changed, and run again once a module the script imports (beside it, or a shared one) or the device changes; the
-    key holds every shared module a script imports and torch's version."""
+    changed, and run again once a module the script imports (beside it, or a shared one), the device or torch's
+    version changes; the key holds every shared module a script imports and the data's content."""
     (tmp_path / "fork_helpers.py").write_text("SCALE = 1.0\n")
     (tmp_path / "my_fork.py").write_text("import fork_helpers  # noqa\n" + (REPO / "fsdp2_pretrain.py").read_text())
     launched = []
@@ -114,11 +114,14 @@ def test_a_run_is_reused_only_while_its_code_torch_and_device_are_the_same(tmp_p
     (tmp_path / "fork_helpers.py").write_text("SCALE = 1.0  # changed\n")
     assert [reused(), reused()] == [False, True] and len(launched) == 2
     args.device = "cuda"
-    assert not reused() and len(launched) == 3
-    key = parity.run_key("fsdp2_pretrain.py", ["--flags"], "cpu")
+    assert [reused(), reused()] == [False, True] and len(launched) == 3
+    version = parity.importlib.metadata.version
+    monkeypatch.setattr(parity.importlib.metadata, "version", lambda name: version(name) + "+other" * (name == "torch"))
+    assert [reused(), reused()] == [False, True] and len(launched) == 4
+    key = parity.run_key("fsdp2_pretrain.py", ["--flags"], args)
     assert {f"{REPO / name}.py" for name in ("fsdp2_pretrain", "common", "data", "modeling", "metrics",
                                                "checkpoints")} <= set(key["sources"])
-    assert key["torch"] == parity.importlib.metadata.version("torch")
+    assert key["data"] == json.loads((TINY_DATA / "meta.json").read_text())["content_sha256"]
 
 
 def test_a_nan_too_few_buckets_or_steps_inside_the_warmup_fail_a_row(tmp_path):
@@ -131,6 +134,6 @@ def test_a_nan_too_few_buckets_or_steps_inside_the_warmup_fail_a_row(tmp_path):
     assert math.isnan(row["max |loss - DDP|"]) and row["max |grad norm - DDP|"] == row["max |val loss - DDP|"] == 0
     assert parity.failed_checks(row, 2, 1e-5) == ["max |loss - DDP| is nan, over --tolerance 1e-05"]
     assert parity.failed_checks({**row, "max |loss - DDP|": 0.0}, 2, 1e-5) == []
-    assert parity.failed_checks({**row, "max |loss - DDP|": 0.0, "buckets": 2}, 2, 1e-5) == [
-        "3 steps in 2 buckets, where DDP's took 3 and the warmup 2: raise --steps"]
+    assert parity.failed_checks({**row, "max |loss - DDP|": 0.0, "DDP buckets": 2}, 2, 1e-5) == [
+        "3 steps train 2 of the 3 buckets, the warmup 2: raise --steps"]
     assert parity.failed_checks({**row, "max |loss - DDP|": 0.0}, 3, 1e-5)[0].endswith("the warmup 3: raise --steps")

@@ -47,8 +47,7 @@ def commit_checkpoint(partial_dir, args, script, step, world_size, data_order, r
     weights), rename to step_<N>, drop the oldest beyond --keep-last."""
     files = {str(f.relative_to(partial_dir)): f.stat().st_size for f in sorted(partial_dir.rglob("*")) if f.is_file()}
     meta = {"script": script, "resumed_by": resumed_by, "chat_format": chat_format, "model": args.model,
-            "model_config": common.MODEL_PRESETS[args.model]["model"], "vocab_size": common.VOCAB_SIZE, "step": step,
-            "world_size": world_size, "data": args.data,
+            "vocab_size": common.VOCAB_SIZE, "step": step, "world_size": world_size, "data": args.data,
             "config": common.flag_values(args),  # a resume says which flags it changed (check_resume)
             "data_order": data_order,  # what a resume may not change (check_resume)
             "files": files}  # every file's size: a truncated or missing file is caught before anything loads

@@ -175,11 +175,11 @@ def parse_args(parser, presets, argv=None):
     return args
 
 
-def get_parser(description, default_out_dir):
+def get_parser(description, default_out_dir, presets=MODEL_PRESETS):
     """The flags every training script shares (each adds its own --data and --init-from; parse_args, PRESETS')."""
     parser = ArgumentParser(description, add_help=False)  # --help comes last, once the preset's values are in
     add = parser.add_argument
-    add("--model", default="small", choices=list(MODEL_PRESETS), help="shape and defaults (`--model M --help`: M's)")
+    add("--model", default="small", choices=list(presets), help="shape and defaults (`--model M --help`: M's)")
     add("--val-fraction", type=number(float, 0, 1), default=0.05, help="documents held out per source (at most 500)")
     add("--buckets", type=bucket_lengths, default=None, help="comma-separated bucket max lengths in tokens")
     add("--tokens-per-batch", type=COUNT, default=None, help="tokens per micro-batch per rank (batch: this // length)")

@@ -11,9 +11,9 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 from common import END_OF_TURN, EOT_ID, IGNORE_INDEX, MODEL_PRESETS, SPECIAL_TOKENS, VOCAB_SIZE
 
 
-class Qwen2WithChunkedLoss(transformers.Qwen2ForCausalLM):
-    """Qwen2ForCausalLM whose forward, given targets, returns the summed loss (chunked_cross_entropy), inside forward
-    so that the wrappers' hooks cover the head; without targets, transformers' own (for generate())."""
+class ChunkedLoss:
+    """A causal LM whose forward, given targets, returns the summed loss (chunked_cross_entropy), inside forward so that
+    the wrappers' hooks cover the head; without targets, transformers' own (for generate())."""
     loss_chunk_rows = None  # build_model's: None, the device's LOSS_CHUNK_ROWS
 
     def forward(self, input_ids=None, targets=None, weights=None, position_ids=None, **kwargs):
@@ -26,14 +26,19 @@ class Qwen2WithChunkedLoss(transformers.Qwen2ForCausalLM):
         return chunked_cross_entropy(hidden[0], self.lm_head.weight, targets, weights, self.loss_chunk_rows)
 
 
-def build_model(preset, activation_checkpointing="full", loss_chunk_rows=None, fake=False):
+class Qwen2WithChunkedLoss(ChunkedLoss, transformers.Qwen2ForCausalLM):
+    """transformers' Qwen2ForCausalLM, its forward ChunkedLoss's."""
+
+
+def build_model(preset, activation_checkpointing="full", loss_chunk_rows=None, fake=False,
+                model_class=Qwen2WithChunkedLoss, config_class=transformers.Qwen2Config, **experts):
     """A Qwen2WithChunkedLoss with the GPT-2 vocabulary and activation checkpointing, in transformers' own init
     (normal(0, 0.02) matrices, zero biases: a first loss of ln(50,304) = 10.83); fake: fake tensors, shapes only."""
     rope = {"rope_type": "default", "rope_theta": MODEL_PRESETS[preset]["rope_theta"]}
     with torch.device("meta") if fake else contextlib.nullcontext():  # fake: transformers' init needs no values
-        model = Qwen2WithChunkedLoss(transformers.Qwen2Config(
+        model = model_class(config_class(
             vocab_size=VOCAB_SIZE, **MODEL_PRESETS[preset]["model"], max_position_embeddings=32_768,
-            rope_parameters=rope, rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.02,
+            rope_parameters=rope, rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.02, **experts,
             bos_token_id=EOT_ID, eos_token_id=EOT_ID, pad_token_id=EOT_ID, use_cache=False, attn_implementation="sdpa"))
     if fake:  # real inputs meet them as fake tensors too (allow_non_fake_inputs), so every op after yields shapes only
         with FakeTensorMode(allow_non_fake_inputs=True):
@@ -50,6 +55,29 @@ def build_model(preset, activation_checkpointing="full", loss_chunk_rows=None, f
         # checkpointing needs that, and under --compile it costs every bucket a third graph (evaluation, first layer).
         model.disable_input_require_grads()
     return model
+
+
+# Mixture-of-Experts shapes (fsdp2_ep_pretrain.py): a dense preset's attention and depth, each layer's MLP replaced by
+# E routed experts, top k of them per token, beside one shared expert: active widths k x expert + shared = the dense MLP's.
+MOE_PRESETS = {
+    "tiny-moe": ("tiny", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96,
+                              shared_expert_intermediate_size=64)),  # 2 x 96 + 64 = tiny's 256
+    "small-moe": ("small", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=192,
+                                shared_expert_intermediate_size=128)),  # 2 x 192 + 128 = small's 512
+    "qwen2-0.5b-moe": ("qwen2-0.5b", dict(num_experts=64, num_experts_per_tok=8, moe_intermediate_size=480,
+                                          shared_expert_intermediate_size=1024)),  # 8 x 480 + 1,024 = 4,864
+}
+
+
+class Qwen2MoeWithChunkedLoss(ChunkedLoss, transformers.Qwen2MoeForCausalLM):
+    """transformers' Qwen2MoeForCausalLM, its forward ChunkedLoss's."""
+
+
+def build_moe_model(preset, activation_checkpointing="full", loss_chunk_rows=None, fake=False):
+    """build_model's model with a MOE_PRESETS preset's experts: top-k probabilities renormalized (Qwen3-MoE's way)."""
+    dense, experts = MOE_PRESETS[preset]
+    return build_model(dense, activation_checkpointing, loss_chunk_rows, fake, Qwen2MoeWithChunkedLoss,
+                       transformers.Qwen2MoeConfig, **experts, norm_topk_prob=True)
 
 
 # Selective checkpointing keeps the outputs of these ops (the matmuls and attention: nearly all of a layer's

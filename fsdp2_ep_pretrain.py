@@ -1,8 +1,8 @@
-"""Pretrain a Mixture-of-Experts LM (Qwen2-MoE) with expert parallelism: each layer's experts dealt over the ranks, the
-tokens sent to them and back by all-to-all; FSDP2 shards the rest over all ranks, and each expert over its dp ranks.
+"""Pretrain a Mixture of Experts (Qwen2-MoE) with expert parallelism and FSDP2: tokens sent to experts by all-to-all.
 
     torchrun --standalone --nproc_per_node=2 fsdp2_ep_pretrain.py             # default: small-moe, ep = world size
     torchrun --standalone --nproc_per_node=8 fsdp2_ep_pretrain.py --model qwen2-0.5b-moe --ep 8 --data data/fineweb-edu
+qwen2-0.5b-moe: 2,138,450,816 parameters, 404,368,256 of them active per token (qwen2-0.5b: 402,970,496).
 
 --data: folders of prepare_data.py (`python prepare_data.py` writes data/builtin; its docstring, data/fineweb-edu).
 """
@@ -32,16 +32,14 @@ import metrics
 import modeling
 
 SCRIPT = Path(__file__).stem  # names the run folder and is recorded in every checkpoint
-# The scripts that resume its checkpoints (recorded in each): a Mixture of Experts, which no other one builds.
+# The scripts that resume its checkpoints (recorded in each): the same format and data order.
 RESUMED_BY = [SCRIPT]
-# Each --model preset's training defaults: the values of the flags left unset (its shape: modeling.MOE_PRESETS). The
-# buckets divide each other, so that one process takes a step of N ranks as one batch (the balance loss's reference).
+# Each --model preset's training defaults: the values of the flags left unset (its shape: modeling.MOE_PRESETS).
 PRESETS = {
     "tiny-moe": dict(buckets=[32, 64, 128], tokens_per_batch=512, lr=3e-3, warmup_steps=5, max_steps=20,
                      eval_every=10, save_every=10),
     "small-moe": dict(buckets=[32, 64, 128, 256], tokens_per_batch=1024, lr=3e-3, warmup_steps=10,
                       max_steps=60, eval_every=20, save_every=20),
-    # 2,138,450,816 parameters, 404,368,256 active per token (qwen2-0.5b: 402,970,496)
     "qwen2-0.5b-moe": dict(buckets=[256, 512, 1024, 2048], tokens_per_batch=65536, lr=3e-4, warmup_steps=200,
                            max_steps=5000, eval_every=250, save_every=500),
 }
@@ -96,11 +94,11 @@ common.init_process_group(device, fake)
 if device.type == "cuda":
     torch.cuda.set_device(device)
 checkpoints.same_on_every_rank(resume_dir, init_dir, args)  # the ranks' lookups, compared before any load
-# Ranks 0..ep-1 share out the experts (one all-to-all group: neighbours, as the all-to-all moves the most); the dp
-# ranks, one per ep group, hold the same experts. Unflattened from one flat mesh, as torch 2.13 wants.
+# Ranks 0..ep-1 share out the experts (an all-to-all group: neighbours, as it moves the most); the dp ranks, one in each
+# group, hold the same experts. Unflattened from one flat mesh (torch deprecates slicing flattened dimensions).
 world = init_device_mesh(device.type, (world_size,), mesh_dim_names=("world",))
 expert_mesh = world._unflatten(0, (world_size // args.ep, args.ep), ("dp", "ep"))
-ep_group = expert_mesh["ep"].get_group()
+ep_group, ep_rank = expert_mesh["ep"].get_group(), expert_mesh["ep"].get_local_rank()
 
 # ---------------------------------------------------------------------------------------------- model
 torch.manual_seed(args.seed)  # the same init on every rank, and in every script
@@ -114,77 +112,74 @@ if rank == 0:
     common.write_config(args, SCRIPT, world_size, device, dtype, n_params, tokens_per_step, resume_dir or init_dir)
 if args.compile:
     torch._dynamo.config.recompile_limit = 2 * len(args.buckets)  # per bucket a training and an evaluation graph
-    for layer in model.model.layers.children():  # regional: attention only, as the experts' shapes hang on the routing
-        layer.self_attn.compile(dynamic=False)  # in place (state_dict keys unchanged); each bucket its own kernels
+    for layer in model.model.layers.children():  # regional: all layers share each bucket's graph; hooks stay outside
+        layer.self_attn.compile(dynamic=False)  # attention only: the experts' shapes hang on the routing
 
 # ---------------------------------------------------------------------------------------------- expert parallel
-experts_per_rank = n_experts // args.ep
-all_to_all_bytes = torch.zeros((), dtype=torch.float64)  # what this rank sends to other ranks, forward passes
+all_to_all_bytes = torch.zeros((), dtype=torch.float64)  # what this rank sends to others in the step's forward passes
 
 
 def all_to_all_experts(experts, hidden_states, top_k_index, top_k_weights):
     """transformers' experts interface, called after the router: this rank's tokens [tokens, hidden] go to the ranks
-    that hold their top-k experts, are run there, come back, and are summed with their routing weights. Dropless."""
-    # 1. This rank's (token, expert) pairs sorted by expert: the rows for each rank, and each of its experts, in a block.
+    holding their top-k experts, are run there and come back, summed with their routing weights. Dropless."""
+    # 1. The (token, expert) pairs sorted by expert: each rank's rows, and each of its experts', in one block.
     order = top_k_index.flatten().argsort(stable=True)
-    sent_counts = torch.bincount(top_k_index.flatten(), minlength=n_experts)  # rows to each expert
-    # 2. Counts exchanged: each rank learns the rows it will receive from every rank, for each of its own experts.
+    sent_counts = torch.histc(top_k_index.float(), n_experts, 0, n_experts).long()  # rows to each expert (no wait)
+    # 2. The counts exchanged: each rank learns the rows it receives from every rank for each of its experts.
     received_counts = torch.empty_like(sent_counts)
-    dist.all_to_all_single(received_counts, sent_counts, group=ep_group)  # [ep ranks x experts_per_rank]
-    send_splits = sent_counts.view(args.ep, experts_per_rank).sum(1).tolist()  # the host needs the sizes: one wait
-    receive_splits = received_counts.view(args.ep, experts_per_rank).sum(1).tolist()
-    # 3. The tokens, uneven splits (the autograd form: backward sends the gradients the reverse way).
+    dist.all_to_all_single(received_counts, sent_counts, group=ep_group)  # [ep ranks x experts a rank]
+    if fake:  # estimate_memory.py's fake tensors hold no counts: every rank sends every expert the same rows
+        sent_counts = received_counts = torch.full((n_experts,), len(order) // n_experts, device=device)
+    send_splits, receive_splits = (c.view(args.ep, -1).sum(1).tolist() for c in (sent_counts, received_counts))  # wait
+    # 3. The tokens, in uneven splits (the autograd form: backward sends the gradients the reverse way).
     received = all_to_all_single_autograd(hidden_states[order // top_k], receive_splits, send_splits, ep_group)
-    # 4. The owner runs its experts: rows by (source rank, expert) regrouped by expert, each its two matmuls.
-    expert_of_row = torch.arange(args.ep * experts_per_rank, device=device).repeat_interleave(received_counts) % experts_per_rank
+    # 4. The owner runs its experts: the rows, by (source rank, expert), regrouped by expert; each expert its matmuls.
+    expert_of_row = torch.arange(n_experts, device=device).repeat_interleave(received_counts) % (n_experts // args.ep)
     by_expert = expert_of_row.argsort(stable=True)
     gate_up_proj, down_proj = experts.gate_up_proj.to_local(), experts.down_proj.to_local()  # this rank's experts
     outputs = []
     for expert, rows in enumerate(received[by_expert].split(received_counts.view(args.ep, -1).sum(0).tolist())):
-        gate, up = F.linear(rows, gate_up_proj[expert]).chunk(2, dim=-1)  # every expert, even one of no rows: a gradient
+        gate, up = F.linear(rows, gate_up_proj[expert]).chunk(2, dim=-1)  # an expert with no rows too: a gradient
         outputs.append(F.linear(experts.act_fn(gate) * up, down_proj[expert]))
-    outputs = torch.cat(outputs)[by_expert.argsort()]  # back to (source rank, expert) order
-    # 5. The reverse exchange, then each token's k results weighted by its router and summed.
+    outputs = torch.cat(outputs)[by_expert.argsort()]  # back in (source rank, expert) order
+    # 5. The reverse exchange; each token's k results weighted by the router and summed.
     returned = all_to_all_single_autograd(outputs, send_splits, receive_splits, ep_group)
-    if torch.is_grad_enabled():  # training's passes (a recompute too), rows of other ranks, dispatch and combine
-        me = dist.get_rank(ep_group)
-        all_to_all_bytes.add_((sum(send_splits) - send_splits[me] + sum(receive_splits) - receive_splits[me]) *
-                              hidden_states.shape[-1] * hidden_states.element_size())
+    rows = sum(send_splits) - send_splits[ep_rank] + sum(receive_splits) - receive_splits[ep_rank]  # to others, there
+    all_to_all_bytes.add_(rows * hidden_states[0].nbytes)  # and back (a recompute in backward counts again)
     weighted = returned * top_k_weights.flatten()[order, None].to(returned.dtype)
     return torch.zeros_like(hidden_states).index_add_(0, order // top_k, weighted)
 
 
-# No patch: the model class stays transformers' own; its experts look this function up by the config's name.
+routing = []  # each router's (logits, weights, top-k choices) in this rank's forward, for the balance loss
+
+
+def keep_routing(router, inputs, output):  # the forward's: not a recompute's in backward, nor evaluation's
+    if torch.is_grad_enabled() and len(routing) < len(model.model.layers):
+        routing.append(output)
+
+
+# No patch: the model class stays transformers' own, and its experts look this function up by the config's name.
 transformers.integrations.moe.ExpertsInterface.register("all_to_all", all_to_all_experts)
 model.config._experts_implementation = "all_to_all"  # on one process too: the reference runs the same code
-for layer in model.model.layers:  # each rank keeps its ep rank's experts: a DTensor, Shard(0) over ep, named as before
-    for name, weight in list(layer.mlp.experts.named_parameters()):  # gate_up_proj [E, 2I, H], down_proj [E, H, I]
-        layer.mlp.experts.register_parameter(name, torch.nn.Parameter(
-            distribute_tensor(weight.data, expert_mesh["ep"], [Shard(0)])))
-
-# The routers' logits and choices of this rank's forward (their hooks'), for the load-balancing loss.
-routing = []
-
-
-def keep_routing(router, inputs, output):  # (logits, weights, top-k indices) of the forward only: no recompute's
-    if torch.is_grad_enabled() and len(routing) < len(model.model.layers):  # nor evaluation's
-        routing.append((output[0], output[2]))
-
-
 for layer in model.model.layers:
     layer.mlp.gate.register_forward_hook(keep_routing)
+    for name, weight in list(layer.mlp.experts.named_parameters()):  # gate_up_proj [E, 2I, H], down_proj [E, H, I]
+        layer.mlp.experts.register_parameter(name, torch.nn.Parameter(  # this rank's experts: a DTensor, same name
+            distribute_tensor(weight.data, expert_mesh["ep"], [Shard(0)])))  # Shard(0) over ep
 
 # ---------------------------------------------------------------------------------------------- wrap
 # bf16: compute on bf16 copies of the gathered parameters; reduce gradients and keep the shards in fp32.
 mixed_precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 for layer in model.model.layers:  # one unit per decoder layer: only one layer is ever gathered at a time
-    # The experts first, their own unit: already split over ep, each sharded again over the dp ranks that share it.
+    # The experts first, their own unit: dim 0 (experts) already split over ep, each expert sharded on dim 1 over the
+    # dp ranks that share it (split dim 0 twice, DTensor's _StridedShard, gathers wrongly where dp is 1).
     fully_shard(layer.mlp.experts, mesh=expert_mesh["dp"], mp_policy=mixed_precision,
-                reshard_after_forward=args.reshard_after_forward)
-    # An expert's gradient already sums the tokens of its ep ranks: FSDP2 would divide by its dp ranks (world / ep) only,
+                reshard_after_forward=args.reshard_after_forward, shard_placement_fn=lambda weight: Shard(1))
+    # An expert's gradient already sums its ep ranks' tokens: FSDP2 would divide by its dp ranks (world / ep) only,
     # leaving it ep times too large. Divided by the world size, it is every other weight's mean over all ranks.
     layer.mlp.experts.set_gradient_divide_factor(world_size)
-    layer.mlp.experts.set_force_sum_reduction_for_comms(True)  # a sum, then the division: gloo has no PREMUL_SUM
+    # A sum, then the division: gloo has no PREMUL_SUM. Not on one dp rank, where torch 2.13 would divide twice.
+    layer.mlp.experts.set_force_sum_reduction_for_comms(args.ep < world_size)
     fully_shard(layer, mp_policy=mixed_precision, reshard_after_forward=args.reshard_after_forward)
 fully_shard(model, mp_policy=mixed_precision)  # the root: embedding, tied head, final norm; default mesh: all ranks
 
@@ -198,26 +193,25 @@ optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, f
 
 # ---------------------------------------------------------------------------------------------- training step
 def balance_loss(is_target):
-    """This rank's share of the load-balancing loss of the micro-batch on ALL ranks (Switch Transformer's, per layer,
-    averaged): E x sum_e f_e P_e over the tokens with a target, f_e the share of top-k choices expert e got (no
-    gradient), P_e its mean router probability. Summed over the ranks it is one process's loss; computed per rank, each
-    rank's batch would be balanced on its own, a stronger constraint that changes with the world size. Also returns
-    each layer's tokens per expert, all ranks'."""
-    weights = is_target.flatten().float()
-    counts = torch.stack([(F.one_hot(indices, n_experts).sum(1) * weights[:, None]).sum(0) for _, indices in routing])
-    counts_and_tokens = torch.cat([counts.flatten(), weights.sum()[None]])
-    dist.all_reduce(counts_and_tokens)  # the micro-batch's routing on every rank
-    counts, tokens = counts_and_tokens[:-1].view(len(routing), n_experts), counts_and_tokens[-1]
-    probabilities = torch.stack([(logits.float().softmax(-1) * weights[:, None]).sum(0) for logits, _ in routing])
-    share = n_experts * ((counts / (tokens * top_k)) * probabilities / tokens).sum(1).mean()
-    return share, counts
+    """This rank's share of the micro-batch's load-balancing loss over ALL ranks' tokens with a target (Switch's, mean
+    over layers): E x sum_e f_e P_e, f_e expert e's share of the top-k choices (no gradient), P_e its mean probability.
+    The ranks' shares add up to one process's loss; per rank, each rank's batch would have to balance on its own, a
+    stronger constraint that changes with the world size. Also returns each layer's tokens per expert, all ranks'."""
+    weights = is_target.flatten()[:, None].float()
+    counts = torch.stack([torch.zeros(n_experts, device=device).index_add_(0, choices.flatten(), weights.expand_as(
+        choices).flatten()) for *_, choices in routing])  # each expert's count of top-k choices
+    dist.all_reduce(counts)  # [layers, experts]: the micro-batch's routing on every rank
+    choices = counts.sum(1, keepdim=True)  # top-k x the tokens with a target, in each layer
+    probabilities = torch.stack([(logits.float().softmax(-1) * weights).sum(0) for logits, *_ in routing])
+    return n_experts * (counts / choices * probabilities / (choices / top_k)).sum(1).mean(), counts
 
 
 def train_step(batches, target_tokens):
     """Forward and backward over this rank's micro-batches [(input_ids, targets)] of a step with target_tokens targets
     on all ranks; the gradients clipped. Returns this rank's summed loss, the global gradient norm, this rank's share of
     the balance loss and every layer's tokens per expert."""
-    loss_sum, aux_loss, expert_counts = torch.zeros((), device=device), torch.zeros((), device=device), 0
+    loss_sum = torch.zeros((), device=device)
+    aux_loss, expert_counts = torch.zeros((), device=device), 0
     for micro, (input_ids, targets) in enumerate(batches):
         # Divide by the target tokens of the WHOLE step (all ranks, all micro-batches), not by this batch's:
         # a long sample then weighs as much as it would in one big batch. The gradient sync averages over
@@ -228,8 +222,8 @@ def train_step(batches, target_tokens):
         micro_loss_sum = model(input_ids=input_ids, targets=targets)
         micro_aux_loss, micro_counts = balance_loss(targets != common.IGNORE_INDEX)  # each micro-batch balanced
         ((micro_loss_sum / target_tokens + args.aux_loss_coef * micro_aux_loss / len(batches)) * world_size).backward()
-        loss_sum, aux_loss = loss_sum + micro_loss_sum.detach(), aux_loss + micro_aux_loss.detach() / len(batches)
-        expert_counts = expert_counts + micro_counts
+        loss_sum += micro_loss_sum.detach()
+        aux_loss, expert_counts = aux_loss + micro_aux_loss.detach() / len(batches), expert_counts + micro_counts
     # Over local shards (DTensors on two meshes cannot be stacked): each element lives on one rank, so squares just add.
     local_grads = [p.grad.to_local() for p in model.parameters()]
     grad_norm = torch.stack(torch._foreach_norm(local_grads, 2, torch.float64)).square().sum()  # fp64: CPU fp32 drifts
@@ -349,7 +343,7 @@ while step < args.max_steps and not stop_votes:
                             batch_size, device) for micro in range(args.grad_accum)]
     all_to_all_bytes.zero_()
     loss_sum, grad_norm, aux_loss, expert_counts = train_step(batches, target_tokens)
-    step_sums = torch.stack([loss_sum, loss_sum.new_full((), len(stop_signals)), aux_loss])  # any rank's signal stops
+    step_sums = torch.stack([loss_sum, loss_sum.new_full((), len(stop_signals)), aux_loss])  # a rank's signal stops all
     dist.all_reduce(step_sums)  # for the log and the check (the gradients were already exact), and the stop
     loss_sum, stop_votes, aux_loss, grad_norm = torch.cat([step_sums, grad_norm[None]]).tolist()  # the step's one wait
     expert_load = (expert_counts.max(1).values / expert_counts.mean(1)).tolist()  # per layer: 1 is perfectly balanced
@@ -375,7 +369,7 @@ while step < args.max_steps and not stop_votes:
              "batch_size": batch_size, "tokens_per_s": tokens / step_time,
              "mfu": mfu, "peak_mem_gb": step_peak_mem_gb, "peak_reserved_gb": step_peak_reserved_gb,
              "elapsed_s": time.perf_counter() - start_time, "aux_loss": aux_loss,
-             "all_to_all_mb": all_to_all_bytes.item() / 1e6,  # this rank's, forward passes (backward: the same again)
+             "all_to_all_mb": all_to_all_bytes.item() / 1e6,  # this rank's sends in the step's forward passes
              **{f"expert_load/{layer}": load for layer, load in enumerate(expert_load)}})
     if step == args.max_steps or (step % args.eval_every == 0 and not stop_votes):  # a stopped step saves at once
         validation = evaluate()

@@ -12,8 +12,7 @@ from common import END_OF_TURN, EOT_ID, IGNORE_INDEX, MODEL_PRESETS, SPECIAL_TOK
 
 
 class ChunkedLoss:
-    """A causal LM whose forward, given targets, returns the summed loss (chunked_cross_entropy), inside forward so that
-    the wrappers' hooks cover the head; without targets, transformers' own (for generate())."""
+    """A causal LM whose forward, given targets, is the summed loss (inside it: the wrappers' hooks cover the head)."""
     loss_chunk_rows = None  # build_model's: None, the device's LOSS_CHUNK_ROWS
 
     def forward(self, input_ids=None, targets=None, weights=None, position_ids=None, **kwargs):
@@ -32,8 +31,7 @@ class Qwen2WithChunkedLoss(ChunkedLoss, transformers.Qwen2ForCausalLM):
 
 def build_model(preset, activation_checkpointing="full", loss_chunk_rows=None, fake=False,
                 model_class=Qwen2WithChunkedLoss, config_class=transformers.Qwen2Config, **experts):
-    """A Qwen2WithChunkedLoss with the GPT-2 vocabulary and activation checkpointing, in transformers' own init
-    (normal(0, 0.02) matrices, zero biases: a first loss of ln(50,304) = 10.83); fake: fake tensors, shapes only."""
+    """A Qwen2WithChunkedLoss (GPT-2 vocabulary, checkpointed layers) in transformers' init: first loss ln(50,304)."""
     rope = {"rope_type": "default", "rope_theta": MODEL_PRESETS[preset]["rope_theta"]}
     with torch.device("meta") if fake else contextlib.nullcontext():  # fake: transformers' init needs no values
         model = model_class(config_class(
@@ -58,7 +56,7 @@ def build_model(preset, activation_checkpointing="full", loss_chunk_rows=None, f
 
 
 # Mixture-of-Experts shapes (fsdp2_ep_pretrain.py): a dense preset's attention and depth, each layer's MLP replaced by
-# E routed experts, top k of them per token, beside one shared expert: active widths k x expert + shared = the dense MLP's.
+# E routed experts, k of them per token, beside a shared expert: the active width, k x expert + shared, the dense one's.
 MOE_PRESETS = {
     "tiny-moe": ("tiny", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96,
                               shared_expert_intermediate_size=64)),  # 2 x 96 + 64 = tiny's 256

@@ -1,0 +1,61 @@
+"""Run fsdp2_ep_pretrain.py unchanged and record, on each rank, its first training step: every router's top-k choices
+in the first forward, then (torch.optim's global step hooks) the first layer's router weight and expert weights, whole,
+with their gradients before the optimizer step and their values after it. Under activation checkpointing the routers
+run again in backward: their choices follow the forward's.
+
+    EP_PROBE=step1.pt python tests/ep_probe.py fsdp2_ep_pretrain.py [flags]
+
+Each rank writes EP_PROBE.rank<R>; tests/test_fsdp2_ep_pretrain.py compares them with one process's.
+"""
+import os
+import runpy
+import sys
+from pathlib import Path
+
+import torch
+from torch.nn.modules.module import register_module_forward_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeExperts, Qwen2MoeTopKRouter
+
+REPO = Path(__file__).resolve().parent.parent
+record = {"choices": [], "steps": 0}
+modules = {}
+
+
+def whole(tensor):
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().clone()
+
+
+def forward(module, inputs, output):  # the first step's routers, in order: the forward's, then the recompute's
+    for kind in (Qwen2MoeTopKRouter, Qwen2MoeExperts):  # (FSDP2 makes the experts an FSDPQwen2MoeExperts)
+        if isinstance(module, kind):
+            modules.setdefault(kind, module)  # the first layer's
+    if isinstance(module, Qwen2MoeTopKRouter) and torch.is_grad_enabled() and record["steps"] == 0:
+        record["choices"].append(output[2].detach().clone())
+
+
+def weights():
+    router, experts = modules[Qwen2MoeTopKRouter], modules[Qwen2MoeExperts]
+    return {"router": router.weight, "gate_up_proj": experts.gate_up_proj, "down_proj": experts.down_proj}
+
+
+def before(optimizer, args, kwargs):
+    if record["steps"] == 0:
+        record["grads"] = {name: whole(p.grad) for name, p in weights().items()}
+        record["before"] = {name: whole(p) for name, p in weights().items()}
+
+
+def after(optimizer, args, kwargs):
+    if record["steps"] == 0:
+        record["after"] = {name: whole(p) for name, p in weights().items()}
+        torch.save(record, f"{os.environ['EP_PROBE']}.rank{os.environ.get('RANK', 0)}")
+    record["steps"] += 1
+
+
+register_module_forward_hook(forward)
+register_optimizer_step_pre_hook(before)
+register_optimizer_step_post_hook(after)
+script = str(REPO / sys.argv[1])
+sys.argv = [script, *sys.argv[2:]]
+sys.path.insert(0, str(REPO))
+runpy.run_path(script, run_name="__main__")

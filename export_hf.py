@@ -9,12 +9,13 @@ OUT_DIR gets config.json, model.safetensors, generation_config.json and the toke
 the SFT markers at ids 50,257 and up, and a chat template that renders the SFT format). The checkpoint is
 only read; OUT_DIR must not exist yet (or be empty), and appears only once complete.
 
-The folder says LlamaForCausalLM, not Qwen2ForCausalLM. Our Qwen2 decoder is Llama's with biases on q, k and v:
-Llama's attention_bias=True adds them, and an o_proj bias of zeros, so the logits are the same numbers. We do it
-for the tokenizer: transformers 5 loads Qwen2Tokenizer for any folder whose config says qwen2, whatever
+A dense model's folder says LlamaForCausalLM, not Qwen2ForCausalLM. Our Qwen2 decoder is Llama's with biases on q, k
+and v: Llama's attention_bias=True adds them, and an o_proj bias of zeros, so the logits are the same numbers. We do
+it for the tokenizer: transformers 5 loads Qwen2Tokenizer for any folder whose config says qwen2, whatever
 tokenizer_config.json names (MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS), and that one splits digits apart, so
 AutoTokenizer, pipelines, vLLM and lm-eval would feed the model ids it never saw. For llama it honours our
-GPT2Tokenizer.
+GPT2Tokenizer. A Mixture of Experts (fsdp2_ep_pretrain.py) is written as transformers' own Qwen2MoeForCausalLM, each
+expert's matrices apart, as Qwen's published MoE checkpoints are (transformers forces no tokenizer on qwen2_moe).
 """
 import json
 import os
@@ -25,6 +26,7 @@ import torch
 
 import common
 import loading
+import modeling
 
 
 def hf_tokenizer():
@@ -72,6 +74,16 @@ def llama_model(model):
     return llama
 
 
+def moe_model(model):
+    """The same weights as transformers' Qwen2MoeForCausalLM, whose folder names our GPT2Tokenizer and keeps it."""
+    from transformers import Qwen2MoeForCausalLM
+
+    model.config.update(dict(tokenizer_class="GPT2Tokenizer", use_cache=True))
+    plain = Qwen2MoeForCausalLM(model.config)
+    plain.load_state_dict(model.state_dict())  # strict, as llama_model's
+    return plain
+
+
 def export(checkpoint, out_dir):
     """Write the Hugging Face folder out_dir from a checkpoint folder or a run folder; returns the checkpoint's meta."""
     checkpoint_dir = loading.resolve_checkpoint(checkpoint)
@@ -82,7 +94,8 @@ def export(checkpoint, out_dir):
     partial_dir = out_dir.with_name(f".partial_{out_dir.name}")  # renamed once complete, like the checkpoints
     partial_lock = common.lock_folder(partial_dir, "OUT_DIR")  # one export into OUT_DIR at a time, until the rename
     model, meta = loading.load_checkpoint_model(checkpoint_dir)
-    model = llama_model(model)
+    moe = meta["model"] in modeling.MOE_PRESETS
+    model = moe_model(model) if moe else llama_model(model)
     model.generation_config.pad_token_id = common.EOT_ID
     if meta.get("chat_format"):  # a chat model ends its reply with <|end_of_turn|>
         model.generation_config.eos_token_id = [common.SPECIAL_TOKENS[common.END_OF_TURN], common.EOT_ID]
@@ -98,11 +111,11 @@ def export(checkpoint, out_dir):
     os.umask(umask)  # read back: the mode any file the user writes gets (644 under the usual umask)
     for file in partial_dir.iterdir():
         file.chmod(0o666 & ~umask)  # model.safetensors comes out 600 (written as a private temporary file)
-    why = ("Qwen2 weights as Llama with attention_bias=True and zero o_proj biases (same logits), so that "
-           "AutoTokenizer keeps GPT2Tokenizer")
+    why = ("Qwen2-MoE, as transformers writes it" if moe else "Qwen2 weights as Llama with attention_bias=True and "
+           "zero o_proj biases (same logits), so that AutoTokenizer keeps GPT2Tokenizer")
     # The checkpoint's meta.json, for this folder: the tools and --init-from read it as a checkpoint's, none resumes it.
     files = {file.name: file.stat().st_size for file in sorted(partial_dir.iterdir()) if file.name != ".lock"}
-    export = {"checkpoint": str(checkpoint_dir), "architecture": "LlamaForCausalLM", "why": why}
+    export = {"checkpoint": str(checkpoint_dir), "architecture": type(model).__name__, "why": why}
     (partial_dir / "meta.json").write_text(json.dumps({**meta, "resumed_by": [], "export": export, "files": files},
                                                       indent=2))
     if out_dir.exists():

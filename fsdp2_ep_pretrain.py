@@ -171,8 +171,8 @@ for layer in model.model.layers:
 # bf16: compute on bf16 copies of the gathered parameters; reduce gradients and keep the shards in fp32.
 mixed_precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 for layer in model.model.layers:  # one unit per decoder layer: only one layer is ever gathered at a time
-    # The experts first, their own unit: dim 0 (experts) already split over ep, each expert sharded on dim 1 over the
-    # dp ranks that share it (split dim 0 twice, DTensor's _StridedShard, gathers wrongly where dp is 1).
+    # The experts first, their own unit: dim 0 (experts) already split over ep, each expert is sharded on dim 1 over
+    # the dp ranks that share it (on dim 0, dp ranks beyond a rank's experts would hold nothing).
     fully_shard(layer.mlp.experts, mesh=expert_mesh["dp"], mp_policy=mixed_precision,
                 reshard_after_forward=args.reshard_after_forward, shard_placement_fn=lambda weight: Shard(1))
     # An expert's gradient already sums its ep ranks' tokens: FSDP2 would divide by its dp ranks (world / ep) only,

@@ -26,7 +26,7 @@ def load_checkpoint_model(checkpoint_dir, device="cpu"):
     process and with no process group: DCP reads sharded checkpoints into whole tensors by itself. The layout is told
     by the files:
 
-        "export" in meta its model.safetensors             (an export_hf.py folder)
+        "export" in meta its model.safetensors             (an export_hf.py folder; a MoE's read by transformers)
         checkpoint.pt    its "model" entry                 (torch.save by rank 0: DDP)
         model/           the whole folder                  (DCP, model saved apart from the optimizer: FSDP2)
         otherwise        the app state's "model" entry     (DCP, one Stateful app state: FSDP1)
@@ -35,10 +35,14 @@ def load_checkpoint_model(checkpoint_dir, device="cpu"):
     from torch.distributed.checkpoint.api import CheckpointException
 
     meta = checkpoints.read_meta(checkpoint_dir, "checkpoint")
-    model = modeling.build_model(meta["model"]).eval()
+    moe = meta["model"] in modeling.MOE_PRESETS  # fsdp2_ep_pretrain.py's: its experts run as transformers' own
+    model = (modeling.build_moe_model if moe else modeling.build_model)(meta["model"]).eval()
     state = model.state_dict()
     try:
-        if "export" in meta:
+        if "export" in meta and moe:  # each expert's matrices apart, as transformers writes them: it fuses them again
+            from transformers import Qwen2MoeForCausalLM
+            state = Qwen2MoeForCausalLM.from_pretrained(checkpoint_dir).state_dict()
+        elif "export" in meta:
             state = checkpoints.hf_state_dict(checkpoint_dir)
         elif (Path(checkpoint_dir) / "checkpoint.pt").is_file():
             state = torch.load(Path(checkpoint_dir) / "checkpoint.pt", map_location="cpu", weights_only=True)["model"]

@@ -6,11 +6,13 @@ them).
     python parity.py                                    # every row at world 2 and 4, the 3D script's at 8 too
     python parity.py --scripts my_fork.py --world 2     # did my change keep training exact? (any script taking the
                                                         # common flags)
+    python parity.py --scripts my_ep_fork.py --model tiny-moe --against-itself one-batch   # a fork of the MoE script
 
 A row runs its script on `world` ranks with --grad-accum making up the ranks that read the same samples (tp, cp, pp),
 so each step takes world batches, as DDP's reference of that world does (DDP on 2 processes, --grad-accum world / 2,
-made once per world; an AGAINST_ITSELF row's, Muon's, is its own script on one process); a row of world W runs
---steps x 2 / W steps, the samples of --steps at world 2. Exit status 1
+made once per world). An AGAINST_ITSELF row's reference is its own script on one process, taking a step's batches as
+micro-batches (Muon) or as one batch (the MoE script, whose balance loss is over each micro-batch of all ranks). A row
+of world W runs --steps x 2 / W steps, the samples of --steps at world 2. Exit status 1
 when a row's loss, gradient norm or validation loss differs from its reference's by more than --tolerance (relative
 above 1) or is not a number at some step, when it trains fewer buckets than DDP or no step past the warmup,
 or a run fails: one line per such row, naming it and the columns. A finished run is reused while its command, its code
@@ -45,10 +47,12 @@ ROWS = {
     "3d cp 2 x tp 2": ("fsdp2_3d_pretrain.py", ["--cp", "2", "--tp", "2"], 4, (4,)),
     "3d 2 x 2 x 2": ("fsdp2_3d_pretrain.py", ["--dp-replicate", "2", "--cp", "2", "--tp", "2"], 4, (8,)),
     "muon": ("fsdp2_muon_pretrain.py", [], 1, (2, 4)),  # another optimizer: against its own world 1 (AGAINST_ITSELF)
+    "ep 2": ("fsdp2_ep_pretrain.py", ["--model", "tiny-moe", "--ep", "2"], 1, (2, 4)),  # a Mixture of Experts, too
+    "ep 4": ("fsdp2_ep_pretrain.py", ["--model", "tiny-moe", "--ep", "4"], 1, (4,)),
 }
-# Rows whose reference is their own script on one process (--grad-accum: the same batches a step), not DDP: training
-# that no other script's matches.
-AGAINST_ITSELF = {"muon"}
+# Rows whose reference is their own script on one process, not DDP (training that no other script's matches), and how
+# that process takes a step's batches: as micro-batches (--grad-accum), or as one batch (--tokens-per-batch).
+AGAINST_ITSELF = {"muon": "micro-batches", "ep 2": "one-batch", "ep 4": "one-batch"}
 COMPARED = ["max |loss - DDP|", "max |grad norm - DDP|", "max |val loss - DDP|"]  # each within --tolerance
 COLUMNS = [*COMPARED, "val loss", "buckets", "seconds"]
 BUCKETS = "32,64,128"  # few, so that the last one comes early: every world size trains each of them
@@ -63,6 +67,11 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=common.COUNT, default=24, help="steps at world 2 (world W: x 2 / W): the "
                         "buckets come shortest first, and on the built-in data every world size reaches the last and "
                         "trains beyond the warmup (5 steps)")
+    parser.add_argument("--model", default="tiny", help="with --scripts: the preset every run takes (the rows: tiny, "
+                        "or their own)")
+    parser.add_argument("--against-itself", choices=["micro-batches", "one-batch"], default=None, help="with "
+                        "--scripts: the reference is each script on one process, a step's batches as its micro-batches "
+                        "or as one batch (default: DDP's)")
     parser.add_argument("--data", default="data/builtin", help="a prepared folder (`python prepare_data.py`)")
     parser.add_argument("--tolerance", type=common.number(float, 0), default=1e-5, help="the largest difference from "
                         "its reference a row may show in loss, grad norm or validation loss (relative above 1)")
@@ -90,7 +99,8 @@ def planned_rows(args):
     """[(name, script, flags, the ranks that read the same samples, world)] to run against their reference (DDP's, or
     AGAINST_ITSELF's), in table order."""
     if args.scripts:
-        return [(Path(script).name, script, [], 1, world) for script in args.scripts for world in args.world or [2]]
+        return [(Path(script).name, script, ["--model", args.model], 1, world) for script in args.scripts
+                for world in args.world or [2]]
     rows = []
     for world in sorted({w for *_, worlds in ROWS.values() for w in worlds} if args.world is None else args.world):
         rows += [(name, script, flags, divisor, world) for name, (script, flags, divisor, worlds) in ROWS.items()
@@ -132,7 +142,8 @@ def run(script, flags, nproc, steps, out_dir, args):
     """SCRIPT on NPROC ranks under torchrun into OUT_DIR, unless OUT_DIR holds a finished run of the same run_key:
     (seconds, exit status, the last line of its error output, whether it was reused)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
-               "--model", "tiny", "--dtype", args.dtype, "--data", args.data, "--max-steps", str(steps),
+               *([] if "--model" in flags else ["--model", "tiny"]), "--dtype", args.dtype, "--data", args.data,
+               "--max-steps", str(steps),
                "--eval-every", str(steps), "--save-every", str(steps), "--buckets", BUCKETS, "--bucket-order",
                "ascending", "--val-fraction", "0.002", *flags, "--out-dir", str(out_dir)]
     done, key = out_dir / "parity-run.json", run_key(script, command[1:], args)
@@ -263,16 +274,21 @@ def main():
             failures.append(f"{name} at world {world}: the run failed (exit {status}): {error}")
             continue
         # DDP's reference takes the row's global batch (its config.json), on 2 processes (world 1: 1): made once; an
-        # AGAINST_ITSELF row's, its own script on one process.
+        # AGAINST_ITSELF row's, its own script on one process, the step's batches as micro-batches or as one batch.
         config, ranks = json.loads((out_dir / folder / "config.json").read_text()), min(2, world)
         batches = config["tokens_per_step"] // config["flags"]["tokens_per_batch"]
-        reference, ranks = (script, 1) if name in AGAINST_ITSELF else ("ddp_pretrain.py", ranks)
+        itself = AGAINST_ITSELF.get(name) or (args.against_itself if args.scripts else None)
+        reference, ranks = (script, 1) if itself else ("ddp_pretrain.py", ranks)
         row["reference"] = f"{Path(reference).stem}-{batches}-batches-{steps}-steps"
         if batches % ranks:
             failures.append(f"{name} at world {world}: {batches} batches a step, which DDP on 2 processes cannot take")
             continue
-        _, status, error, _ = run(reference, ["--grad-accum", str(batches // ranks)], ranks, steps,
-                                  out_dir / row["reference"], args)
+        model = flags[flags.index("--model"):][:2] if itself and "--model" in flags else []  # the row's preset
+        batch = (["--tokens-per-batch", str(config["tokens_per_step"])] if itself == "one-batch" else
+                 ["--grad-accum", str(batches // ranks)])
+        if itself == "one-batch":
+            row["reference"] = row["reference"].replace("-batches-", "-batches-as-one-")
+        _, status, error, _ = run(reference, [*model, *batch], ranks, steps, out_dir / row["reference"], args)
         if status:
             raise common.ReportedError(f"{reference}'s reference of {batches} batches a step failed (exit {status}): "
                                        f"{error}")

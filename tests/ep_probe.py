@@ -1,11 +1,12 @@
-"""Run fsdp2_ep_pretrain.py unchanged and record, on each rank, its first training step: every router's top-k choices
-in the first forward, then (torch.optim's global step hooks) the first layer's router weight and expert weights, whole,
-with their gradients before the optimizer step and their values after it. Under activation checkpointing the routers
-run again in backward: their choices follow the forward's.
+"""Run fsdp2_ep_pretrain.py unchanged and record, on each rank, some of its training steps: every router's top-k choices
+(the forward's, then, under activation checkpointing, the recompute's in backward), and through torch.optim's global
+step hooks the first layer's router and expert weights, whole, with their gradients before the optimizer step and
+their values after it.
 
-    EP_PROBE=step1.pt python tests/ep_probe.py fsdp2_ep_pretrain.py [flags]
+    EP_PROBE=probe EP_PROBE_STEPS=1,7 python tests/ep_probe.py fsdp2_ep_pretrain.py [flags]
 
-Each rank writes EP_PROBE.rank<R>; tests/test_fsdp2_ep_pretrain.py compares them with one process's.
+Steps count from this process's first (a resumed run's first is the checkpoint's step + 1). Each rank writes
+probe.step<N>.rank<R>; tests/test_fsdp2_ep_pretrain.py compares them with one process's.
 """
 import os
 import runpy
@@ -18,19 +19,19 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeExperts, Qwen2MoeTopKRouter
 
 REPO = Path(__file__).resolve().parent.parent
-record = {"choices": [], "steps": 0}
-modules = {}
+STEPS = {int(step) for step in os.environ.get("EP_PROBE_STEPS", "1").split(",")}
+record, modules, done = {"choices": []}, {}, [0]  # done: this process's steps so far
 
 
 def whole(tensor):
     return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().clone()
 
 
-def forward(module, inputs, output):  # the first step's routers, in order: the forward's, then the recompute's
+def forward(module, inputs, output):
     for kind in (Qwen2MoeTopKRouter, Qwen2MoeExperts):  # (FSDP2 makes the experts an FSDPQwen2MoeExperts)
         if isinstance(module, kind):
             modules.setdefault(kind, module)  # the first layer's
-    if isinstance(module, Qwen2MoeTopKRouter) and torch.is_grad_enabled() and record["steps"] == 0:
+    if isinstance(module, Qwen2MoeTopKRouter) and torch.is_grad_enabled() and done[0] + 1 in STEPS:
         record["choices"].append(output[2].detach().clone())
 
 
@@ -40,16 +41,17 @@ def weights():
 
 
 def before(optimizer, args, kwargs):
-    if record["steps"] == 0:
+    if done[0] + 1 in STEPS:  # every rank gathers (full_tensor is a collective)
         record["grads"] = {name: whole(p.grad) for name, p in weights().items()}
-        record["before"] = {name: whole(p) for name, p in weights().items()}
 
 
 def after(optimizer, args, kwargs):
-    if record["steps"] == 0:
+    done[0] += 1
+    if done[0] in STEPS:
         record["after"] = {name: whole(p) for name, p in weights().items()}
-        torch.save(record, f"{os.environ['EP_PROBE']}.rank{os.environ.get('RANK', 0)}")
-    record["steps"] += 1
+        torch.save(record, f"{os.environ['EP_PROBE']}.step{done[0]}.rank{os.environ.get('RANK', 0)}")
+        record.clear()
+        record["choices"] = []
 
 
 register_module_forward_hook(forward)

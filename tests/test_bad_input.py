@@ -160,6 +160,12 @@ BAD_INPUTS = {  # case: (script, flags, ranks, words the error line must hold: t
         ("pp_pretrain.py", ["--model", "tiny", "--pp", 2], 1, ["--pp 2", "world size 1"]),
     "1F1B with fewer micro-batches than stages":
         ("pp_pretrain.py", ["--model", "tiny", "--pp", 2, "--grad-accum", 1], 2, ["--grad-accum 1", "gpipe"]),
+    "a dense preset in the MoE script":
+        ("fsdp2_ep_pretrain.py", ["--model", "tiny"], 1, ["--model", "'tiny'", "tiny-moe"]),
+    "EP degree that does not divide the world size":
+        ("fsdp2_ep_pretrain.py", ["--model", "tiny-moe", "--ep", 4], 2, ["--ep 4", "world size 2"]),
+    "EP degree that does not divide the experts":
+        ("fsdp2_ep_pretrain.py", ["--model", "tiny-moe", "--ep", 3], 3, ["--ep 3", "8 experts", "'tiny-moe'"]),
     "GRPO init-from a pretraining checkpoint":
         ("fsdp2_grpo.py", ["--model", "tiny", *SFT_INIT], 1, ["--init-from", "fsdp2_pretrain.py", "chat format"]),
     "GRPO data with no reference answers":

@@ -5,7 +5,8 @@ their values after it.
 
     EP_PROBE=probe EP_PROBE_STEPS=1,7 python tests/ep_probe.py fsdp2_ep_pretrain.py [flags]
 
-Steps count from this process's first (a resumed run's first is the checkpoint's step + 1). Each rank writes
+Steps count from this process's first (a resumed run's first is the checkpoint's step + 1; DCP's optimizer step that
+makes AdamW's state before a load, with no forward before it, is not one). Each rank writes
 probe.step<N>.rank<R>; tests/test_fsdp2_ep_pretrain.py compares them with one process's.
 """
 import os
@@ -20,7 +21,7 @@ from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeExperts, Qw
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = {int(step) for step in os.environ.get("EP_PROBE_STEPS", "1").split(",")}
-record, modules, done = {"choices": []}, {}, [0]  # done: this process's steps so far
+record, modules, done, trained = {"choices": []}, {}, [0], [False]  # steps so far; a training forward since the last
 
 
 def whole(tensor):
@@ -31,8 +32,10 @@ def forward(module, inputs, output):
     for kind in (Qwen2MoeTopKRouter, Qwen2MoeExperts):  # (FSDP2 makes the experts an FSDPQwen2MoeExperts)
         if isinstance(module, kind):
             modules.setdefault(kind, module)  # the first layer's
-    if isinstance(module, Qwen2MoeTopKRouter) and torch.is_grad_enabled() and done[0] + 1 in STEPS:
-        record["choices"].append(output[2].detach().clone())
+    if isinstance(module, Qwen2MoeTopKRouter) and torch.is_grad_enabled():
+        trained[0] = True
+        if done[0] + 1 in STEPS:
+            record["choices"].append(output[2].detach().clone())
 
 
 def weights():
@@ -41,12 +44,14 @@ def weights():
 
 
 def before(optimizer, args, kwargs):
-    if done[0] + 1 in STEPS:  # every rank gathers (full_tensor is a collective)
+    if trained[0] and done[0] + 1 in STEPS:  # every rank gathers (full_tensor is a collective)
         record["grads"] = {name: whole(p.grad) for name, p in weights().items()}
 
 
 def after(optimizer, args, kwargs):
-    done[0] += 1
+    if not trained[0]:
+        return
+    done[0], trained[0] = done[0] + 1, False
     if done[0] in STEPS:
         record["after"] = {name: whole(p) for name, p in weights().items()}
         torch.save(record, f"{os.environ['EP_PROBE']}.step{done[0]}.rank{os.environ.get('RANK', 0)}")

@@ -188,6 +188,31 @@ def run_ranks(command, nproc, env, timeout):
                                        "".join(stdout for stdout, _ in texts), "".join(stderr for _, stderr in texts))
 
 
+def run_parity(*argv):
+    """parity.py's main with ARGV, in this process, its torchrun launches made by run_script (the same ranks, forked
+    with their imports made): a CompletedProcess of its exit status and what it printed."""
+    import contextlib
+    import io
+
+    import pytest
+
+    import parity
+
+    def torchrun(command, **kwargs):  # python -m torch.distributed.run --standalone --nproc_per_node=N script ...
+        return run_script(command[5], *command[6:], nproc=int(command[4].split("=")[1]))
+
+    stdout, stderr, status = io.StringIO(), io.StringIO(), 0
+    with (pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(stdout),
+          contextlib.redirect_stderr(stderr)):
+        patch.setattr(parity.subprocess, "run", torchrun)
+        patch.setattr(sys, "argv", ["parity.py", *map(str, argv)])
+        try:
+            parity.main()
+        except SystemExit as exit:
+            status = exit.code
+    return subprocess.CompletedProcess(["parity.py", *argv], status, stdout.getvalue(), stderr.getvalue())
+
+
 def check(result):
     """The run succeeded; show its output if it did not."""
     assert result.returncode == 0, (f"exit {result.returncode}\n--- stdout\n{result.stdout[-4000:]}"

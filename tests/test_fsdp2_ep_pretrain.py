@@ -6,14 +6,13 @@ the balance loss and the gradient norm at every step (3 buckets, clipping active
 killed there, at ep 2: its experts resharded by DCP. parity.py fails a fork whose expert gradients are not divided by
 the world size, in one line. The export loads in plain transformers with the same logits; evaluate.py reads it."""
 import json
-import subprocess
 
 import pytest
 import torch
 
 import loading
 import parity
-from helpers import PYTHON, REPO, TINY_DATA, TINY_RUN, check, copy_checkpoint, read_metrics, run_script
+from helpers import REPO, TINY_DATA, TINY_RUN, check, copy_checkpoint, read_metrics, run_parity, run_script
 
 SCRIPT = "fsdp2_ep_pretrain.py"
 # The tests' run with the MoE preset; on 4 ranks, 128 tokens a micro-batch each (one process: 512, as one batch), 12
@@ -33,14 +32,18 @@ def probed(out, *flags, nproc, steps="1", crash_at=None):
         env.update(CRASH_AT=f"step:{crash_at}", CRASH_RANK="3", CRASH_STAMP=str(out.parent / f"{out.name}-killed"))
         wrappers.insert(0, "tests/crash.py")
     result = run_script(*wrappers, SCRIPT, *EP_RUN, *flags, "--out-dir", out, nproc=nproc, env=env)
-    assert (result.returncode != 0) if crash_at else check(result)
+    if crash_at:
+        assert result.returncode != 0 and (out.parent / f"{out.name}-killed").exists(), result.stderr[-3000:]
+    else:
+        check(result)
     return out, probe
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """One process (512 tokens a batch), then on 4 ranks: ep 2 killed before step 9; its step 6 resumed at ep 4, killed
-    before step 11; that run's step 9 resumed at ep 2 to the end (12). {name: (out_dir, probe prefix)}."""
+    before step 10 (its 5th optimizer step: DCP's, which makes AdamW's state for the load, is the first); that run's
+    step 9 resumed at ep 2 to the end (12). {name: (out_dir, probe prefix)}."""
     folder = tmp_path_factory.mktemp("ep")
     found = {"one process": probed(folder / "one", "--tokens-per-batch", 512, nproc=1,
                                    steps=",".join(map(str, REFERENCE_STEPS)))}
@@ -53,7 +56,7 @@ def runs(tmp_path_factory):
 
 
 # Each 4-rank run: the steps it trained, and (its first) the step its probe recorded.
-TRAINED = {"ep 2": (range(1, 9), 1), "ep 4, resumed": (range(7, 11), 7), "ep 2, resumed": (range(10, 13), 10)}
+TRAINED = {"ep 2": (range(1, 9), 1), "ep 4, resumed": (range(7, 10), 7), "ep 2, resumed": (range(10, 13), 10)}
 
 
 @pytest.mark.slow  # multi-process runs of its own
@@ -95,7 +98,7 @@ def test_router_and_expert_gradients_and_updated_weights_are_one_processs(runs, 
 
 @pytest.mark.slow
 def test_loss_balance_loss_and_gradient_norm_are_one_processs_at_every_step_across_kills_and_ep_changes(runs):
-    """Steps 1-8 at ep 2, 7-10 at ep 4 (resumed from ep 2's step 6), 10-12 at ep 2 again: each in one process's bucket,
+    """Steps 1-8 at ep 2, 7-9 at ep 4 (resumed from ep 2's step 6), 10-12 at ep 2 again: each in one process's bucket,
     its loss, balance loss and gradient norm within 1e-5, every layer's tokens per expert (max / mean) equal; 3 buckets,
     clipping active; the all-to-all moved rows at ep 2 and 4, none on one process."""
     reference, _ = read_metrics(runs["one process"][0])
@@ -103,7 +106,7 @@ def test_loss_balance_loss_and_gradient_norm_are_one_processs_at_every_step_acro
         found = parity.compare(runs[name][0], runs["one process"][0], steps)
         assert found["max |loss - DDP|"] <= 1e-5 and found["max |grad norm - DDP|"] <= 1e-5, (name, found)
         train, _ = read_metrics(runs[name][0])
-        assert sorted(train) == list(steps)
+        assert set(steps) <= set(train)  # (a killed run's other ranks may log the step its victim died before)
         for step in steps:
             assert abs(train[step]["aux_loss"] - reference[step]["aux_loss"]) <= 1e-5
             assert train[step]["expert_load/0"] == pytest.approx(reference[step]["expert_load/0"], abs=1e-6)
@@ -121,14 +124,13 @@ def test_parity_fails_a_fork_whose_expert_gradients_are_not_divided_by_the_world
     line = "    layer.mlp.experts.set_gradient_divide_factor(world_size)\n"
     assert source.count(line) == 1
     (tmp_path / "undivided.py").write_text(source.replace(line, ""))
-    result = subprocess.run([PYTHON, REPO / "parity.py", "--scripts", tmp_path / "undivided.py", "--model", "tiny-moe",
-                             "--against-itself", "one-batch", "--world", "2", "--steps", "6", "--data", TINY_DATA,
-                             "--out-dir", tmp_path / "parity"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    result = run_parity("--scripts", tmp_path / "undivided.py", "--model", "tiny-moe", "--against-itself", "one-batch",
+                        "--world", 2, "--steps", 6, "--data", TINY_DATA, "--out-dir", tmp_path / "parity")
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert result.returncode == 1 and len(errors) == 1, result.stderr[-3000:]
     assert errors[0].startswith("error: undivided.py at world 2: ") and "max |grad norm - DDP| is" in errors[0]
     rows = json.loads((tmp_path / "parity" / "parity.json").read_text())["rows"]
-    assert rows[0]["reference"] == "undivided-2-batches-as-one-3-steps" and rows[0]["max |grad norm - DDP|"] > 1e-3
+    assert rows[0]["reference"] == "undivided-2-batches-as-one-6-steps" and rows[0]["max |grad norm - DDP|"] > 1e-3
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import parity
-from helpers import PYTHON, REPO, TINY_DATA
+from helpers import REPO, TINY_DATA, run_parity
 
 # A shared run (conftest.py's tiny_run: 20 steps, 3 buckets or more): its script, flags after the shared ones, ranks.
 DDP, DDP_ONE_PROCESS = ("ddp_pretrain.py", [], 2), ("ddp_pretrain.py", ["--grad-accum", 2], 1)
@@ -48,12 +48,6 @@ def test_every_strategy_trains_as_ddp_does(row, tiny_run):
     assert all(parity.difference(val[step], reference_val[step]) <= 1e-5 for step in val)
 
 
-def run_parity(folder):
-    return subprocess.run([PYTHON, REPO / "parity.py", "--scripts", folder / "my_fork.py", folder / "broken_fork.py",
-                           "--world", "2", "--steps", "6", "--data", TINY_DATA, "--out-dir", folder / "parity"],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
-
-
 @pytest.fixture(scope="module")
 def parity_of_two_forks(tmp_path_factory):
     """parity.py --scripts on an unchanged copy of fsdp2_pretrain.py and on a broken one, world 2, 6 steps:
@@ -65,7 +59,8 @@ def parity_of_two_forks(tmp_path_factory):
     assert source.count(exact) == 1
     (folder / "my_fork.py").write_text(source)
     (folder / "broken_fork.py").write_text(source.replace(exact, broken))
-    return folder / "parity", run_parity(folder)
+    return folder / "parity", run_parity("--scripts", folder / "my_fork.py", folder / "broken_fork.py", "--world", 2,
+                                         "--steps", 6, "--data", TINY_DATA, "--out-dir", folder / "parity")
 
 
 def test_the_exact_fork_passes_and_the_broken_one_fails_in_one_line_naming_its_row(parity_of_two_forks):

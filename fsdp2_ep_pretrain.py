@@ -106,8 +106,8 @@ model = modeling.build_moe_model(args.model, args.activation_checkpointing, args
 if init_dir is not None:  # midtraining: a checkpoint's weights, whole on every rank; the optimizer starts fresh
     dcp.load(model.state_dict(), checkpoint_id=init_dir / "model")  # in place: a state_dict's tensors are the weights
 n_params, model_config = model.num_parameters(), model.config  # transformers' count: a tied weight once
-expert_params = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
-n_active = n_params - expert_params + expert_params * top_k // n_experts  # a token's: its top-k experts only
+n_active = n_params - sum(p.numel() for name, p in model.named_parameters() if "experts." in name) * (
+    n_experts - top_k) // n_experts  # a token's: the experts it is not routed to do not count
 if rank == 0:
     common.write_config(args, SCRIPT, world_size, device, dtype, n_params, tokens_per_step, resume_dir or init_dir)
 if args.compile:
@@ -171,12 +171,11 @@ for layer in model.model.layers:
 # bf16: compute on bf16 copies of the gathered parameters; reduce gradients and keep the shards in fp32.
 mixed_precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 for layer in model.model.layers:  # one unit per decoder layer: only one layer is ever gathered at a time
-    # The experts first, their own unit: dim 0 (experts) already split over ep, each expert is sharded on dim 1 over
+    # The experts first, their own unit: dim 0 (experts) split over ep already, FSDP2 shards each expert on dim 1 over
     # the dp ranks that share it (on dim 0, dp ranks beyond a rank's experts would hold nothing).
     fully_shard(layer.mlp.experts, mesh=expert_mesh["dp"], mp_policy=mixed_precision,
                 reshard_after_forward=args.reshard_after_forward, shard_placement_fn=lambda weight: Shard(1))
-    # An expert's gradient already sums its ep ranks' tokens: FSDP2 would divide by its dp ranks (world / ep) only,
-    # leaving it ep times too large. Divided by the world size, it is every other weight's mean over all ranks.
+    # Their gradient sums all ep ranks' tokens: divide by the world size, not by FSDP2's dp ranks (ep times too big).
     layer.mlp.experts.set_gradient_divide_factor(world_size)
     # A sum, then the division: gloo has no PREMUL_SUM. Not on one dp rank, where torch 2.13 would divide twice.
     layer.mlp.experts.set_force_sum_reduction_for_comms(args.ep < world_size)
@@ -224,10 +223,10 @@ def train_step(batches, target_tokens):
         ((micro_loss_sum / target_tokens + args.aux_loss_coef * micro_aux_loss / len(batches)) * world_size).backward()
         loss_sum += micro_loss_sum.detach()
         aux_loss, expert_counts = aux_loss + micro_aux_loss.detach() / len(batches), expert_counts + micro_counts
-    # Over local shards (DTensors on two meshes cannot be stacked): each element lives on one rank, so squares just add.
-    local_grads = [p.grad.to_local() for p in model.parameters()]
-    grad_norm = torch.stack(torch._foreach_norm(local_grads, 2, torch.float64)).square().sum()  # fp64: CPU fp32 drifts
-    dist.all_reduce(grad_norm)
+    # Every gradient's norm in one foreach kernel, in fp64: on a CPU fp32 drifts ~1e-4 on big tensors (pytorch#169237).
+    local_grads = [p.grad.to_local() for p in model.parameters()]  # shards: DTensors on two meshes cannot be stacked
+    grad_norm = torch.stack(torch._foreach_norm(local_grads, 2, torch.float64)).square().sum()
+    dist.all_reduce(grad_norm)  # each element lives on one rank: the ranks' squares add up
     grad_norm = grad_norm.sqrt().float()
     # Clipped as clip_grads_with_norm_ does, the local shards in one foreach kernel (DTensors on two meshes: op by op).
     torch._foreach_mul_(local_grads, ((args.grad_clip or float("inf")) / (grad_norm + 1e-6)).clamp(max=1.0))

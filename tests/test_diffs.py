@@ -29,6 +29,9 @@ DIFFS = {
          "training step": 32, "checkpoint": 28, "resume": 2, "evaluation": 8, "training loop": 4},
     ("fsdp2_pretrain.py", "fsdp2_muon_pretrain.py"):  # Muon for the layers' matrices, over FSDP2's shards; its resume
         {"preamble": 12, "optimizer": 71, "resume": 3},
+    ("fsdp2_pretrain.py", "fsdp2_ep_pretrain.py"):  # the experts dealt over ep, the all-to-all, the balance loss
+        {"preamble": 28, "setup": 12, "distributed": 5, "model": 7, "expert parallel": 51, "wrap": 8,
+         "training step": 34, "training loop": 14},
     ("fsdp2_pretrain.py", "fsdp2_sft.py"):  # chat data, its init read shard by shard, the marker rows, accuracy
         {"preamble": 38, "setup": 14, "data": 13, "model": 2, "init from a checkpoint": 17, "evaluation": 16, "end": 4},
     ("fsdp2_sft.py", "fsdp2_grpo.py"):  # prompts and rewards, rollouts, the advantage and the policy-gradient loss

@@ -6,6 +6,7 @@ step allocates, by category. bf16 and the GPU's loss chunk, as the scripts pick 
     python estimate_memory.py --model qwen2-0.5b --gpus 4 --gpu-memory 24
     python estimate_memory.py --gpus 8 --gpu-memory 80 --strategies fsdp2 fsdp2-cp --cp 8 --tokens-per-batch 65536
     python estimate_memory.py --gpus 4 --activation-checkpointing selective --reshard-after-forward false
+    python estimate_memory.py --gpus 8 --strategies fsdp2-ep --ep 2 --tokens-per-batch 16384   # experts over 2 ranks
 
 Any other flag the training scripts take (--grad-accum, --activation-checkpointing, ...) is passed on to each script
 that takes it. On a GPU, --check-on-gpu runs one real step of each estimate on this one GPU (--gpus 1) and prints the
@@ -34,6 +35,7 @@ STRATEGIES = {
     "fsdp2-cp": ["fsdp2_cp_pretrain.py"],  # --cp
     "fsdp2-3d": ["fsdp2_3d_pretrain.py"],  # --dp-replicate, --cp, --tp
     "fsdp2-muon": ["fsdp2_muon_pretrain.py"],  # Muon's one buffer per matrix, against AdamW's two
+    "fsdp2-ep": ["fsdp2_ep_pretrain.py"],  # --model's Mixture of Experts (its -moe preset), the experts over --ep ranks
     "pp": ["pp_pretrain.py"],
     "sft": ["fsdp2_sft.py", "--data", "data/builtin-sft"],
     "grpo": ["fsdp2_grpo.py", "--data", "data/builtin-rl"],  # its training step on replies of the bucket's length
@@ -66,6 +68,8 @@ def parse_args():
     parser.add_argument("--tp", type=common.COUNT, default=2, help="fsdp2-tp's and fsdp2-3d's tensor-parallel degree")
     parser.add_argument("--cp", type=common.COUNT, default=2, help="fsdp2-cp's and fsdp2-3d's context-parallel degree")
     parser.add_argument("--dp-replicate", type=common.COUNT, default=1, help="fsdp2-3d's replicas (HSDP)")
+    parser.add_argument("--ep", type=common.COUNT, default=None, help="fsdp2-ep's expert-parallel degree: each rank "
+                        "holds 1 / ep of every layer's experts, each sharded over --gpus / ep ranks (default: --gpus)")
     parser.add_argument("--check-on-gpu", action="store_true", help="also one real step on this GPU (--gpus 1)")
     parser.add_argument("--out", default="runs/estimate_memory", help="memory.json and memory.png go here")
     args, passed_on = parser.parse_known_args()
@@ -90,14 +94,16 @@ def command(args, strategy, passed_on, mode, buckets, tokens_per_batch, out_dir)
     """The script's command line: the row's flags, this tool's, then each passed-on flag the script takes."""
     script, *flags = STRATEGIES[strategy]
     degree = {"fsdp2-tp": ["--tp", str(args.tp)], "fsdp2-cp": ["--cp", str(args.cp)],
-              "fsdp2-3d": ["--dp-replicate", str(args.dp_replicate), "--cp", str(args.cp), "--tp", str(args.tp)]}
+              "fsdp2-3d": ["--dp-replicate", str(args.dp_replicate), "--cp", str(args.cp), "--tp", str(args.tp)],
+              "fsdp2-ep": ["--ep", str(args.ep or args.gpus)]}
     degree = degree.get(strategy, [])
+    model = f"{args.model}-moe" if strategy == "fsdp2-ep" else args.model  # its active parameters: --model's
     groups, taken = [], []  # the passed-on flags, each with its values
     for item in passed_on:
         groups.append([item]) if item.startswith("--") or not groups else groups[-1].append(item)
     for group in groups:
         taken += group if takes(script, group[0].split("=")[0]) else []
-    return [sys.executable, str(REPO / script), *flags, *degree, "--model", args.model,
+    return [sys.executable, str(REPO / script), *flags, *degree, "--model", model,
             "--buckets", ",".join(map(str, buckets)), "--tokens-per-batch", str(tokens_per_batch),
             "--dtype", "bf16", "--loss-chunk-rows", "4096", "--estimate-memory", mode, "--out-dir", str(out_dir),
             *taken]

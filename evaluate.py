@@ -206,6 +206,7 @@ def proportion(metric, successes, n):
 
 
 PROSE_WINDOW = {"tiny": 128, "small": 256, "qwen2-0.5b": 2048}  # each preset's longest pretraining bucket
+PROSE_WINDOW.update({f"{preset}-moe": window for preset, window in PROSE_WINDOW.items()})  # its MoE's: the same
 
 
 def prose_bpb(model, tokenizer, args, window):

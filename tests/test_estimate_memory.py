@@ -24,7 +24,8 @@ def estimate(out_dir, script, *flags, world_size=2, mode="fake"):
     WORLD_SIZE; real, WORLD_SIZE ranks on gloo."""
     if (out_dir / "memory.json").exists():  # the same run, asked for by two tests
         return json.loads((out_dir / "memory.json").read_text())["buckets"][0]["categories"]
-    args = [*FLAGS, *flags, "--estimate-memory", mode, "--out-dir", out_dir]
+    model = ["tiny-moe" if flag == "tiny" else flag for flag in FLAGS] if script == "fsdp2_ep_pretrain.py" else FLAGS
+    args = [*model, *flags, "--estimate-memory", mode, "--out-dir", out_dir]
     if mode == "fake":
         check(run_script(script, *args, env={"WORLD_SIZE": str(world_size), "RANK": "0"}))
     else:
@@ -49,7 +50,9 @@ def fake_runs(shared_runs):
             "fsdp2 none": ("fsdp2_pretrain.py", ["--activation-checkpointing", "none"], 2),
             "cp 2": ("fsdp2_cp_pretrain.py", ["--cp", 2, *LONG], 4),
             "cp 4": ("fsdp2_cp_pretrain.py", ["--cp", 4, *LONG], 4),
-            "replicate 2 x cp 2": ("fsdp2_3d_pretrain.py", ["--dp-replicate", 2, "--cp", 2, *LONG], 4)}
+            "replicate 2 x cp 2": ("fsdp2_3d_pretrain.py", ["--dp-replicate", 2, "--cp", 2, *LONG], 4),
+            "ep 2 of 4": ("fsdp2_ep_pretrain.py", ["--ep", 2], 4),
+            "ep 4 of 4": ("fsdp2_ep_pretrain.py", ["--ep", 4], 4)}
     with ThreadPoolExecutor(2) as pool:
         futures = {name: pool.submit(estimate, shared_runs / name.replace(" ", "-"), script, *flags,
                                      world_size=world_size) for name, (script, flags, world_size) in runs.items()}
@@ -89,7 +92,8 @@ def test_the_trends_hold(fake_runs):
     """FSDP2's state per rank falls as 1 / world size; CP's activations fall with cp (from cp 2 to 4 by over a third:
     all but the loss's weight gradient halves); full checkpointing keeps fewer activations than selective, and
     selective fewer than none. The 3D script at replicate 2 x cp 2 on 4 ranks holds FSDP2's state of 2 ranks (shards
-    over the cp pair, a copy in the other replica) and CP's activations at cp 2."""
+    over the cp pair, a copy in the other replica) and CP's activations at cp 2. The MoE script holds a quarter of its
+    model on each of 4 ranks at ep 2 as at ep 4."""
     def state(name):
         return total(fake_runs[name], PARAMETERS + OPTIMIZER)
 
@@ -98,6 +102,12 @@ def test_the_trends_hold(fake_runs):
     assert fake_runs["fsdp2 world 2"]["Activation"] < fake_runs["fsdp2 selective"]["Activation"]
     assert fake_runs["fsdp2 selective"]["Activation"] < fake_runs["fsdp2 none"]["Activation"]
     assert state("replicate 2 x cp 2") == state("fsdp2 world 2")
+    # The MoE script: each rank holds a quarter of every expert's elements at ep 2 (4 experts, half of each) as at ep 4
+    # (2 experts whole), and of the rest; a quarter of the model's parameters in all, AdamW's two moments beside them.
+    moe_bytes = 3_565_248 * 4  # tiny-moe's parameters, fp32
+    for name in ("ep 2 of 4", "ep 4 of 4"):
+        assert total(fake_runs[name], PARAMETERS) == pytest.approx(moe_bytes / 4, rel=1e-3)
+        assert total(fake_runs[name], OPTIMIZER) == pytest.approx(2 * moe_bytes / 4, rel=1e-3)
     assert fake_runs["replicate 2 x cp 2"]["Activation"] == fake_runs["cp 2"]["Activation"]
 
 

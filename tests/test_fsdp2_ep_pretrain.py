@@ -136,10 +136,13 @@ def test_parity_fails_a_fork_whose_expert_gradients_are_not_divided_by_the_world
 @pytest.mark.slow
 def test_its_export_loads_in_plain_transformers_with_its_logits_and_evaluate_reads_it(runs, tmp_path):
     """export_hf.py of the last checkpoint (ep 2, 4 ranks): AutoModelForCausalLM (transformers' own Qwen2-MoE, its own
-    experts implementation) gives the checkpoint's logits within 1e-5; the tools read the checkpoint and the export."""
+    experts implementation) gives the checkpoint's logits within 1e-5; the tools read the export as the checkpoint:
+    evaluate.py scores it, generate.py's sampling continues a prompt."""
     import transformers
 
+    import evaluate
     import export_hf
+    import modeling
 
     checkpoint = loading.resolve_checkpoint(runs["ep 2, resumed"][0])
     export_hf.export(checkpoint, tmp_path / "hf")
@@ -151,3 +154,7 @@ def test_its_export_loads_in_plain_transformers_with_its_logits_and_evaluate_rea
         torch.testing.assert_close(exported(input_ids).logits, ours(input_ids).logits, rtol=0, atol=1e-5)
     again, _ = loading.load_checkpoint_model(tmp_path / "hf")
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), ours.state_dict().values()))
+    rows = evaluate.evaluate(evaluate.get_parser().parse_args([str(tmp_path / "hf"), "--tasks", "arith_choice",
+                                                               "--limit", "4"]))
+    assert [row["n"] for row in rows] == [4, 4] and all(row["value"] > 0 for row in rows[1:])  # gold_bpb
+    assert 1 <= len(modeling.generate_replies(again, [[464, 3290]], max_new_tokens=3)[0]) <= 3  # generate.py's way

@@ -32,6 +32,8 @@ profiled (benchmarks/step_profile.py: the GPU's busy share), after the timing so
           cost under DDP, and what FSDP2's own machinery costs on one rank (the fastest row / A-ddp).
   A-muon  fsdp2_muon_pretrain.py at A's setting: Muon's owner ranks and Newton-Schulz against A's AdamW (the goal:
           within 5% of A's tokens/s).
+  A-ep    fsdp2_ep_pretrain.py --model qwen2-0.5b-moe at A's setting (ep 1 on one GPU): a Mixture of Experts with as
+          many active parameters (404M of 2.1B) against A's dense model: tokens/s, and MFU on the active parameters.
   E       tests/test_cuda.py: every training script's CUDA path (tiny preset, bf16, NCCL; one with --compile; the waits
           for the GPU per step, counted by torch.cuda.set_sync_debug_mode).
   P       parity.py's single-GPU rows in bf16: FSDP1, FSDP2 and the 3D script (every degree 1) against DDP on the GPU,
@@ -85,7 +87,7 @@ cli = parser.parse_args()
 # In order of value: our loop against its bare loop, the sweep, DDP at its best, every script's CUDA path, bf16 parity;
 # the parts after each in ORDER keep their time (KEPT); the last two run only if time is left.
 SWEEP = ["S4x", "S4x-full", "S2x", "S2x-full", "S1x"]  # S<k>x: k x A's tokens a micro-batch; -full: full checkpointing
-ORDER = ["A", "B", *SWEEP, "A-ddp", "B-ddp", "A-muon", "E", "P", "M"]
+ORDER = ["A", "B", *SWEEP, "A-ddp", "B-ddp", "A-muon", "A-ep", "E", "P", "M"]
 ALL_PARTS = ORDER + ["A-eager", "A2"]
 PARTS = ALL_PARTS if cli.parts is None else cli.parts.split(",")
 if set(PARTS) - set(ALL_PARTS):
@@ -159,13 +161,17 @@ SWEEP_SETTINGS = {"S4x": (4 * TOKENS_PER_BATCH, None), "S4x-full": (4 * TOKENS_P
 # Each part's time bound (seconds) and the time kept for it while earlier parts run, from the H100 runs of 2026-11-27
 # (a compiled qwen2-0.5b run took 75-90 s at 16,384 tokens, most of it compiling; 4x and 2x the tokens a step add
 # steps that take longer); a part beyond its bound stops, the next ones run.
-BOUNDS = {"A": 150, "B": 150, **{part: 180 for part in SWEEP}, "A-ddp": 150, "B-ddp": 120, "A-muon": 150, "M": 150,
-          "E": 240}
+BOUNDS = {"A": 150, "B": 150, **{part: 180 for part in SWEEP}, "A-ddp": 150, "B-ddp": 120, "A-muon": 150, "A-ep": 180,
+          "M": 150, "E": 240}
 KEPT = {"A": 100, "B": 95, "S4x": 130, "S4x-full": 130, "S2x": 110, "S2x-full": 110, "S1x": 100, "A-ddp": 100,
-        "B-ddp": 90, "A-muon": 100, "E": 120, "P": 150, "M": 90, "A-eager": 90, "A2": 90}
+        "B-ddp": 90, "A-muon": 100, "A-ep": 120, "E": 120, "P": 150, "M": 90, "A-eager": 90, "A2": 90}
 with torch.device("meta"):  # no memory: only the parameter count and shapes, for the FLOPs per token
-    meta_model = modeling.build_model(MODEL)
+    meta_model, meta_moe = modeling.build_model(MODEL), modeling.build_moe_model(f"{MODEL}-moe")
 N_PARAMS, MODEL_CONFIG = meta_model.num_parameters(), meta_model.config
+# The MoE's active parameters: the experts a token is not routed to do not count (as fsdp2_ep_pretrain.py's MFU).
+EXPERT_PARAMS = sum(p.numel() for name, p in meta_moe.named_parameters() if "experts." in name)
+N_ACTIVE = meta_moe.num_parameters() - EXPERT_PARAMS * (
+    meta_moe.config.num_experts - meta_moe.config.num_experts_per_tok) // meta_moe.config.num_experts
 PEAK_FLOPS = next((flops for name, flops in metrics.PEAK_BF16_FLOPS.items() if name in versions["device"]), None)
 
 # ---------------------------------------------------------------------------------------------- the data
@@ -385,8 +391,8 @@ def torchrun(script, *flags, profile=None):
     return [sys.executable, *launcher, script, *flags]
 
 
-def mfu(tokens_per_s, bucket):
-    return modeling.flops_per_token(N_PARAMS, MODEL_CONFIG, bucket) * tokens_per_s / PEAK_FLOPS if PEAK_FLOPS else None
+def mfu(tokens_per_s, bucket, n_params=N_PARAMS):
+    return modeling.flops_per_token(n_params, MODEL_CONFIG, bucket) * tokens_per_s / PEAK_FLOPS if PEAK_FLOPS else None
 
 
 def spread(step_seconds):
@@ -403,7 +409,7 @@ def gpu_busy(part):
     return results["profiles"].get(part, {}).get("gpu_busy")
 
 
-def steady_state(run_dir, bucket):
+def steady_state(run_dir, bucket, n_params=N_PARAMS):
     """Tokens/s over steps SKIP+1 to STEPS (wall time, the whole loop), MFU, non-padding share, the spread of the step
     times, peak memory."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -411,7 +417,7 @@ def steady_state(run_dir, bucket):
     window = [steps[step] for step in range(SKIP + 1, STEPS + 1)]
     tokens, seconds = sum(row["tokens"] for row in window), steps[STEPS]["elapsed_s"] - steps[SKIP]["elapsed_s"]
     reserved = [row["peak_reserved_gb"] for row in window if row["peak_reserved_gb"] is not None]
-    return {"tokens_per_s": tokens / seconds, "mfu": mfu(tokens / seconds, bucket),
+    return {"tokens_per_s": tokens / seconds, "mfu": mfu(tokens / seconds, bucket, n_params),
             "non_padding": tokens / sum(row["padded_tokens"] for row in window),
             "spread": spread([steps[step]["elapsed_s"] - steps[step - 1]["elapsed_s"]
                               for step in range(SKIP + 1, STEPS + 1)]),
@@ -419,7 +425,7 @@ def steady_state(run_dir, bucket):
             "peak_reserved_gb": max(reserved) if reserved else None}
 
 
-PRETRAIN_FLAGS = ["--model", MODEL, "--data", work / "text", "--max-steps", STEPS + TAIL, "--eval-every", 10**6,
+PRETRAIN_FLAGS = ["--data", work / "text", "--max-steps", STEPS + TAIL, "--eval-every", 10**6,
                   "--save-every", 10**6, "--val-fraction", 0.01]
 rows_of = {}  # part -> its first row, for the ratios of the parts after it
 
@@ -428,8 +434,9 @@ def setting(tokens, checkpointing):
     return f"{tokens:,} tokens a micro-batch, {'no' if checkpointing == 'none' else checkpointing} checkpointing"
 
 
-def pretrain(part, script, bucket, *flags, tokens=TOKENS_PER_BATCH, checkpointing="full"):
-    """A training script's run at a setting (checkpointing None: the lightest that fits), profiled after its timing."""
+def pretrain(part, script, bucket, *flags, tokens=TOKENS_PER_BATCH, checkpointing="full", model=MODEL):
+    """A training script's run at a setting (checkpointing None: the lightest that fits), profiled after its timing;
+    model: MODEL, or its Mixture of Experts (MFU on its active parameters)."""
     def measure(until):
         chosen = checkpointing or lightest_that_fits(tokens)
         if chosen is None:
@@ -437,11 +444,13 @@ def pretrain(part, script, bucket, *flags, tokens=TOKENS_PER_BATCH, checkpointin
                               for mode in ("none", "selective"))
             full = "A" if tokens == TOKENS_PER_BATCH else f"{part}-full"
             return [{"outcome": f"skipped: only full checkpointing fits (estimated: {found}); see {full}"}]
-        launch(part, torchrun(script, *PRETRAIN_FLAGS, "--buckets", bucket, "--tokens-per-batch", tokens,
-                              "--activation-checkpointing", chosen, *flags, "--out-dir", work / part, profile=part),
+        launch(part, torchrun(script, "--model", model, *PRETRAIN_FLAGS, "--buckets", bucket, "--tokens-per-batch",
+                              tokens, "--activation-checkpointing", chosen, *flags, "--out-dir", work / part,
+                              profile=part),
                until)
         shutil.rmtree(work / part / "checkpoints", ignore_errors=True)  # 4.8 GB each at qwen2-0.5b
-        return [{**steady_state(work / part, bucket), "gpu_busy": gpu_busy(part), "tokens_per_batch": tokens,
+        n_params = N_PARAMS if model == MODEL else N_ACTIVE
+        return [{**steady_state(work / part, bucket, n_params), "gpu_busy": gpu_busy(part), "tokens_per_batch": tokens,
                  "checkpointing": chosen, "estimate_gb": estimated(tokens, chosen)
                  if (script, bucket) == ("fsdp2_pretrain.py", BUCKET) else None,  # the estimates are FSDP2's
                  "configuration": f"{script}, bucket {bucket}, {setting(tokens, chosen)}, {compiled(flags)}"}]
@@ -475,7 +484,8 @@ def best_setting():
 
 
 # The ratios of the table: a part's tokens/s over another's, on the first one's row, once both have run.
-RATIOS = [("A", "B"), ("A-ddp", "B-ddp"), ("A-muon", "A"), ("A-eager", "A"), *[(part, "A") for part in SWEEP]]
+RATIOS = [("A", "B"), ("A-ddp", "B-ddp"), ("A-muon", "A"), ("A-ep", "A"), ("A-eager", "A"),
+          *[(part, "A") for part in SWEEP]]
 BARE_OF = {"A": "B", "A-ddp": "B-ddp", "A-muon": "A"}  # a part's baseline at the same setting (Muon's: AdamW's)
 FITS_24_GB = 24 * 2**30 * 0.9 / 1e9  # estimate_memory.py's rule: 24 GiB less the 10% kept for the allocator
 
@@ -605,6 +615,9 @@ measure_part("B-ddp", f"bare loop as DDP, bucket {BUCKET}, {setting(best_tokens,
              f"{compiled(COMPILE)}", bare_loop("B-ddp", "ddp", best_tokens, best_checkpointing))
 measure_part("A-muon", f"fsdp2_muon_pretrain.py, bucket {BUCKET}, {setting(TOKENS_PER_BATCH, 'full')}, "
              f"{compiled(COMPILE)}", pretrain("A-muon", "fsdp2_muon_pretrain.py", BUCKET, *COMPILE))
+measure_part("A-ep", f"fsdp2_ep_pretrain.py --model {MODEL}-moe, ep 1, bucket {BUCKET}, "
+             f"{setting(TOKENS_PER_BATCH, 'full')}, {compiled(COMPILE)}",
+             pretrain("A-ep", "fsdp2_ep_pretrain.py", BUCKET, *COMPILE, model=f"{MODEL}-moe"))
 run_part("E", "tests/test_cuda.py: every training script, tiny, bf16, 1 GPU, one with --compile", cuda_tests)
 run_part("P", f"parity.py: the single-GPU rows against DDP, {PARITY_DTYPE}", parity_rows)
 run_part("M", "estimate_memory.py --check-on-gpu: the SFT", memory_estimates, goal=memory_goal)

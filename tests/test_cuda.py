@@ -33,6 +33,7 @@ PRETRAINING = {  # run name: the script and its flags beyond TINY_STEPS and --da
     "fsdp2_3d_pretrain": ["fsdp2_3d_pretrain.py"],  # every degree 1 on one GPU
     "pp_pretrain": ["pp_pretrain.py", "--pp", 1],
     "fsdp2_muon_pretrain": ["fsdp2_muon_pretrain.py"],  # Muon's owner ranks: one, the whole matrix its own
+    "fsdp2_ep_pretrain": ["fsdp2_ep_pretrain.py"],  # tiny-moe (below), ep 1: its all-to-all within one rank
 }
 PIPELINE_MARK = pytest.mark.skipif(not PIPELINE_SCALES_LOSS,
                                    reason=f"torch {torch.__version__}'s pipeline schedules take no loss_kwargs")
@@ -54,7 +55,8 @@ def cuda_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("cuda")
     # FSDP2's run through tests/sync_probe.py: what its steps wait on the GPU for (test_host_syncs.py: on a CPU).
     processes = {name: start(*(["tests/sync_probe.py"] if name == "fsdp2_pretrain" else []), *script_flags[:1],
-                             *TINY_STEPS, *script_flags[1:], "--data", BUILTIN_TEXT, "--out-dir", root / name,
+                             *[f"{flag}-moe" if flag == "tiny" and "_ep_" in name else flag for flag in TINY_STEPS],
+                             *script_flags[1:], "--data", BUILTIN_TEXT, "--out-dir", root / name,
                              log=root / f"{name}.log", env={"SYNC_PROBE": str(root / "fsdp2_pretrain_sync.json")})
                  for name, script_flags in PRETRAINING.items() if name != "pp_pretrain" or PIPELINE_SCALES_LOSS}
     processes["fsdp2_pretrain"].wait(timeout=300)

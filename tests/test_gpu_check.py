@@ -26,9 +26,9 @@ INDUCTOR_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR",
 
 
 # The parts the suite runs: each function of the check once (S4x: the sweep's, its estimate for no checkpointing over
-# the memory, so selective); S4x-full, S2x, S2x-full, S1x and A-muon are the same function with other numbers or
-# another script, shown skipped.
-PARTS = "A,B,S4x,A-ddp,B-ddp,E,P,M"
+# the memory, so selective; A-ep: the same function on another model); S4x-full, S2x, S2x-full, S1x and A-muon are the
+# same function with other numbers or another script, shown skipped.
+PARTS = "A,B,S4x,A-ddp,B-ddp,A-ep,E,P,M"
 
 
 def start_dry_run():
@@ -52,13 +52,13 @@ def test_dry_run_measures_every_part_and_writes_its_table():
     results = json.loads((out / "results.json").read_text())
     rows = results["parts"]
     assert [row["part"] for row in rows] == ["A", "B", "S4x", "S4x-full", "S2x", "S2x-full", "S1x", "A-ddp", "B-ddp",
-                                             "A-muon", "E", "P", "P", "P", "M"]
+                                             "A-muon", "A-ep", "E", "P", "P", "P", "M"]
     skipped = [row for row in rows if row["part"] in ("S4x-full", "S2x", "S2x-full", "S1x", "A-muon")]
     assert all(row["outcome"] == "skipped: not in --parts" for row in skipped)
     rows = [row for row in rows if row not in skipped]
     assert all(row["outcome"].startswith("ok") for row in rows), rows
     speed = [row for row in rows if row.get("tokens_per_s")]
-    assert [row["part"] for row in speed] == ["A", "B", "S4x", "A-ddp", "B-ddp"]
+    assert [row["part"] for row in speed] == ["A", "B", "S4x", "A-ddp", "B-ddp", "A-ep"]
     for row in speed:
         assert row["tokens_per_s"] > 0 and row["peak_allocated_gb"] > 0 and row["spread"] >= 0
         assert row["mfu"] is None and row["peak_reserved_gb"] is None  # a CPU: no peak FLOP/s, no CUDA allocator
@@ -87,15 +87,19 @@ def test_dry_run_measures_every_part_and_writes_its_table():
     assert by_part["A-ddp"]["ratio"] == (f"A-ddp / B-ddp = "
                                          f"{by_part['A-ddp']['tokens_per_s'] / by_part['B-ddp']['tokens_per_s']:.2f}")
     assert f"{fastest['part']} / A-ddp = " in fastest["ratio"]
+    # The Mixture of Experts of A's active size, at A's setting, against A.
+    assert by_part["A-ep"]["configuration"].startswith("fsdp2_ep_pretrain.py --model tiny-moe, ep 1")
+    moe_over_dense = by_part["A-ep"]["tokens_per_s"] / by_part["A"]["tokens_per_s"]
+    assert by_part["A-ep"]["ratio"] == f"A-ep / A = {moe_over_dense:.2f}"
     # The memory estimate's plumbing: the SFT's on the CPU (no GPU: nothing to hold it against).
     assert rows[-1]["configuration"].startswith("estimate_memory.py sft, bucket 256: estimate ")
     assert rows[-1]["ratio"] is None
-    assert rows[5]["outcome"] == "ok: 0 passed, 0 failed, 12 skipped of 12"  # every script's CUDA test, collected
+    assert rows[6]["outcome"] == "ok: 0 passed, 0 failed, 13 skipped of 13"  # every script's CUDA test, collected
     # parity.py's single-GPU rows, here on the CPU in fp32: each script against DDP on one process.
-    assert [row["configuration"].split(":")[0] for row in rows[6:9]] == [
+    assert [row["configuration"].split(":")[0] for row in rows[7:10]] == [
         f"parity.py {script}, world 1, fp32, 6 steps" for script in ("fsdp1_pretrain.py", "fsdp2_pretrain.py",
                                                                      "fsdp2_3d_pretrain.py")]
-    assert all(row["goal"] == "within 1e-05: met" for row in rows[6:9]), rows[6:9]
+    assert all(row["goal"] == "within 1e-05: met" for row in rows[7:10]), rows[7:10]
     # Every speed part is profiled: three steps after the timed ones, each step's host time (no GPU to be busy).
     assert sorted(results["profiles"]) == sorted(by_part)
     for profile in results["profiles"].values():
@@ -107,7 +111,7 @@ def test_dry_run_measures_every_part_and_writes_its_table():
     assert result.stdout.rstrip().endswith(table.rstrip().splitlines()[-1])  # the tables are printed last
     with tarfile.open(out / "logs.tar.gz") as logs:
         names = set(logs.getnames())
-    assert {"A.log", "B.log", "S4x.log", "A-ddp.log", "B-ddp.log", "M_sft.log", "E_tests.log", "P.log",
+    assert {"A.log", "B.log", "S4x.log", "A-ddp.log", "B-ddp.log", "A-ep.log", "M_sft.log", "E_tests.log", "P.log",
             f"estimate_{4 * a_tokens}_selective.log"} <= names
     assert {f"{part}/profile/{name}" for part in by_part for name in ("trace.json.gz", "profile.json")} <= names
     shutil.rmtree(folder)  # kept where the test fails, to be read

@@ -1,10 +1,11 @@
 """fsdp2_ep_pretrain.py on CPU with gloo (tiny-moe, fp32): on 4 ranks, its experts over ep 2 x 2 dp ranks and over ep 4,
-it trains as one process that takes each step's batches as one batch (the balance loss is over each micro-batch of all
-ranks). Each recorded step routes every token to the same experts as one process does, exactly (tests/ep_probe.py);
-its router and expert gradients, and its weights after the update, are one process's within 1e-5, and so are the loss,
-the balance loss and the gradient norm at every step (3 buckets, clipping active). Killed at ep 2, it resumes at ep 4;
-killed there, at ep 2: its experts resharded by DCP. parity.py fails a fork whose expert gradients are not divided by
-the world size, in one line. The export loads in plain transformers with the same logits; evaluate.py reads it."""
+and on 2 ranks at ep 2, it trains as one process that takes each step's batches as one batch (the balance loss is over
+each micro-batch of all ranks). Each recorded step routes every token to the same experts as one process does,
+exactly (tests/ep_probe.py); its router and expert gradients, and its weights after the update, are one process's
+within 1e-5, and so are the loss, the balance loss and the gradient norm at every step (3 buckets, clipping active).
+Killed at ep 2, it resumes at ep 4; killed there, on 2 ranks: its experts resharded by DCP. parity.py fails a fork
+whose expert gradients are not divided by the world size, in one line. The export loads in plain transformers with
+the same logits; evaluate.py reads it."""
 import json
 
 import pytest
@@ -19,7 +20,7 @@ SCRIPT = "fsdp2_ep_pretrain.py"
 # steps saving every 3.
 EP_RUN = [*("tiny-moe" if flag == "tiny" else flag for flag in TINY_RUN), "--tokens-per-batch", 128,
           "--max-steps", 12, "--save-every", 3, "--eval-every", 6]
-REFERENCE_STEPS = [1, 7, 10]  # the steps each 4-rank run below records first
+REFERENCE_STEPS = [1, 7, 10]  # the steps each run below on several ranks records first
 
 
 def probed(out, *flags, nproc, steps="1", crash_at=None):
@@ -43,32 +44,34 @@ def probed(out, *flags, nproc, steps="1", crash_at=None):
 def runs(tmp_path_factory):
     """One process (512 tokens a batch), then on 4 ranks: ep 2 killed before step 9; its step 6 resumed at ep 4, killed
     before step 10 (its 5th optimizer step: DCP's, which makes AdamW's state for the load, is the first); that run's
-    step 9 resumed at ep 2 to the end (12). {name: (out_dir, probe prefix)}."""
+    step 9 resumed on 2 ranks at ep 2 (256 tokens each: the same samples a step) to the end (12). {name: (out_dir,
+    probe prefix)}."""
     folder = tmp_path_factory.mktemp("ep")
     found = {"one process": probed(folder / "one", "--tokens-per-batch", 512, nproc=1,
                                    steps=",".join(map(str, REFERENCE_STEPS)))}
     found["ep 2"] = probed(folder / "ep2", "--ep", 2, nproc=4, crash_at=9)
     found["ep 4, resumed"] = probed(copy_checkpoint(folder / "ep2", 6, folder / "ep4"), "--ep", 4, "--resume",
                                     nproc=4, crash_at=5)
-    found["ep 2, resumed"] = probed(copy_checkpoint(folder / "ep4", 9, folder / "ep2-again"), "--ep", 2, "--resume",
-                                    nproc=4)
+    found["ep 2 on 2 ranks, resumed"] = probed(copy_checkpoint(folder / "ep4", 9, folder / "ep2-on-2"), "--ep", 2,
+                                               "--tokens-per-batch", 256, "--resume", nproc=2)
     return found
 
 
-# Each 4-rank run: the steps it trained, and (its first) the step its probe recorded.
-TRAINED = {"ep 2": (range(1, 9), 1), "ep 4, resumed": (range(7, 10), 7), "ep 2, resumed": (range(10, 13), 10)}
+# Each run on several ranks: the steps it trained, (its first) the step its probe recorded, its ranks.
+TRAINED = {"ep 2": (range(1, 9), 1, 4), "ep 4, resumed": (range(7, 10), 7, 4),
+           "ep 2 on 2 ranks, resumed": (range(10, 13), 10, 2)}
 
 
 @pytest.mark.slow  # multi-process runs of its own
 @pytest.mark.parametrize("name", TRAINED)
 def test_every_token_goes_to_the_experts_one_process_sends_it_to(runs, name):
     """The recorded step's top-k choices in every layer, on each rank, are one process's for that rank's rows (rank r
-    holds samples r, r + 4, ... of the step): equal exactly, before any tolerance, as top-k is not continuous; the
+    of N holds samples r, r + N, ... of the step): equal exactly, before any tolerance, as top-k is not continuous; the
     recompute in backward chooses as the forward did."""
     (_, reference_probe), (out, probe) = runs["one process"], runs[name]
-    step = TRAINED[name][1]
+    _, step, nproc = TRAINED[name]
     reference = torch.load(f"{reference_probe}.step{step}.rank0", weights_only=True)["choices"]
-    ranks = [torch.load(f"{probe}.step1.rank{rank}", weights_only=True)["choices"] for rank in range(4)]
+    ranks = [torch.load(f"{probe}.step1.rank{rank}", weights_only=True)["choices"] for rank in range(nproc)]
     bucket_len = read_metrics(out)[0][step]["bucket_len"]
     layers = len(reference) // 2  # the forward's, then the recompute's in backward (last layer first)
     assert layers == 2 and all(len(choices) == 2 * layers for choices in ranks)
@@ -85,9 +88,9 @@ def test_router_and_expert_gradients_and_updated_weights_are_one_processs(runs, 
     """The first layer's router weight, gate_up_proj and down_proj (all 8 experts, gathered), their clipped gradients
     and their values after AdamW's step: one process's within 1e-5 on every rank (an expert gradient ep times too
     large, or summed over too few ranks, would be off by far more)."""
-    step = TRAINED[name][1]
+    _, step, nproc = TRAINED[name]
     reference = torch.load(f"{runs['one process'][1]}.step{step}.rank0", weights_only=True)
-    for rank in range(4):
+    for rank in range(nproc):
         recorded = torch.load(f"{runs[name][1]}.step1.rank{rank}", weights_only=True)
         for kind in ("grads", "after"):
             for weight, expected in reference[kind].items():
@@ -98,11 +101,11 @@ def test_router_and_expert_gradients_and_updated_weights_are_one_processs(runs, 
 
 @pytest.mark.slow
 def test_loss_balance_loss_and_gradient_norm_are_one_processs_at_every_step_across_kills_and_ep_changes(runs):
-    """Steps 1-8 at ep 2, 7-9 at ep 4 (resumed from ep 2's step 6), 10-12 at ep 2 again: each in one process's bucket,
-    its loss, balance loss and gradient norm within 1e-5, every layer's tokens per expert (max / mean) equal; 3 buckets,
-    clipping active; the all-to-all moved rows at ep 2 and 4, none on one process."""
+    """Steps 1-8 at ep 2, 7-9 at ep 4 (resumed from ep 2's step 6), 10-12 at ep 2 on 2 ranks: each in one process's
+    bucket, its loss, balance loss and gradient norm within 1e-5, every layer's tokens per expert (max / mean) equal; 3
+    buckets, clipping active; the all-to-all moved rows at ep 2 and 4, none on one process."""
     reference, _ = read_metrics(runs["one process"][0])
-    for name, (steps, _) in TRAINED.items():
+    for name, (steps, _, _) in TRAINED.items():
         found = parity.compare(runs[name][0], runs["one process"][0], steps)
         assert found["max |loss - DDP|"] <= 1e-5 and found["max |grad norm - DDP|"] <= 1e-5, (name, found)
         train, _ = read_metrics(runs[name][0])
@@ -113,7 +116,7 @@ def test_loss_balance_loss_and_gradient_norm_are_one_processs_at_every_step_acro
             assert train[step]["all_to_all_mb"] > 0 and reference[step]["all_to_all_mb"] == 0
     assert len({row["bucket_len"] for row in reference.values()}) == 3
     assert any(row["grad_norm"] > 1.0 for row in reference.values())
-    assert all(0.9 < row["aux_loss"] < 2.0 and row["expert_load/1"] >= 1.0 for row in reference.values())
+    assert all(0.9 < row["aux_loss"] < 2.0 for row in reference.values())  # 1 when balanced; top-k or E off: 2x, 8x
 
 
 @pytest.mark.slow
@@ -135,7 +138,7 @@ def test_parity_fails_a_fork_whose_expert_gradients_are_not_divided_by_the_world
 
 @pytest.mark.slow
 def test_its_export_loads_in_plain_transformers_with_its_logits_and_evaluate_reads_it(runs, tmp_path):
-    """export_hf.py of the last checkpoint (ep 2, 4 ranks): AutoModelForCausalLM (transformers' own Qwen2-MoE, its own
+    """export_hf.py of the last checkpoint (ep 2, 2 ranks): AutoModelForCausalLM (transformers' own Qwen2-MoE, its own
     experts implementation) gives the checkpoint's logits within 1e-5; the tools read the export as the checkpoint:
     evaluate.py scores it, generate.py's sampling continues a prompt."""
     import transformers
@@ -144,7 +147,7 @@ def test_its_export_loads_in_plain_transformers_with_its_logits_and_evaluate_rea
     import export_hf
     import modeling
 
-    checkpoint = loading.resolve_checkpoint(runs["ep 2, resumed"][0])
+    checkpoint = loading.resolve_checkpoint(runs["ep 2 on 2 ranks, resumed"][0])
     export_hf.export(checkpoint, tmp_path / "hf")
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     ours, meta = loading.load_checkpoint_model(checkpoint)

@@ -43,7 +43,7 @@ profiled (benchmarks/step_profile.py: the GPU's busy share), after the timing so
 A compiled qwen2-0.5b run at 16,384 tokens took 75-90 s on the H100s of 2026-11-27 (its compile most of it): the 550 s
 hold A, B, S4x and S4x-full; the others run in calls of their own, each with a fresh A where a ratio needs it:
   --parts A,A-ddp,B-ddp,A-muon --best TOKENS:CHECKPOINTING --budget 480   (--best: the first call's fastest row)
-  --parts S2x,S2x-full,S1x,E --budget 550        and        --parts P,M --budget 300
+  --parts S2x,S2x-full,S1x,E --budget 550        and        --parts A,A-ep,P,M --budget 550
 Goals in the table: MFU at least 45% (on every A and sweep row; the best row decides), at least 40% where the
 estimate fits 24 GB; a script
 within 5% of its bare loop; step times within 10% of each other ((slowest - fastest) / median of the timed steps);
@@ -453,7 +453,8 @@ def pretrain(part, script, bucket, *flags, tokens=TOKENS_PER_BATCH, checkpointin
         return [{**steady_state(work / part, bucket, n_params), "gpu_busy": gpu_busy(part), "tokens_per_batch": tokens,
                  "checkpointing": chosen, "estimate_gb": estimated(tokens, chosen)
                  if (script, bucket) == ("fsdp2_pretrain.py", BUCKET) else None,  # the estimates are FSDP2's
-                 "configuration": f"{script}, bucket {bucket}, {setting(tokens, chosen)}, {compiled(flags)}"}]
+                 "configuration": f"{script}{'' if model == MODEL else f' --model {model}'}, bucket {bucket}, "
+                                  f"{setting(tokens, chosen)}, {compiled(flags)}"}]
     return measure
 
 

@@ -12,11 +12,12 @@ A row runs its script on `world` ranks with --grad-accum making up the ranks tha
 so each step takes world batches, as DDP's reference of that world does (DDP on 2 processes, --grad-accum world / 2,
 made once per world). An AGAINST_ITSELF row's reference is its own script on one process, taking a step's batches as
 micro-batches (Muon) or as one batch (the MoE script, whose balance loss is over each micro-batch of all ranks). A row
-of world W runs --steps x 2 / W steps, the samples of --steps at world 2. Exit status 1
-when a row's loss, gradient norm or validation loss differs from its reference's by more than --tolerance (relative
-above 1) or is not a number at some step, when it trains fewer buckets than DDP or no step past the warmup,
-or a run fails: one line per such row, naming it and the columns. A finished run is reused while its command, its code
-(the script and every module it imports), its data, Python's and the libraries' versions and the device are the same.
+of world W runs --steps x 2 / W steps, the samples of --steps at world 2. Exit status 1 when a row's loss, gradient
+norm or validation loss differs from its reference's by more than --tolerance (a one-batch reference's:
+--one-batch-tolerance; relative above 1) or is not a number at some step, when it trains fewer buckets than DDP or no
+step past the warmup, or a run fails: one line per such row, naming it and the columns. A finished run is reused while
+its command, its code (the script and every module it imports), its data, Python's and the libraries' versions and the
+device are the same.
 """
 import ast
 import hashlib
@@ -73,6 +74,9 @@ def parse_args(argv=None):
                         "--scripts: the reference is each script on one process, a step's batches as its micro-batches "
                         "or as one batch (default: DDP's)")
     parser.add_argument("--data", default="data/builtin", help="a prepared folder (`python prepare_data.py`)")
+    parser.add_argument("--one-batch-tolerance", type=common.number(float, 0), default=1e-4, help="the same, for a row "
+                        "whose reference takes the step as one batch: it sums each gradient over all tokens at once, "
+                        "not as the ranks' partial sums, and fp32 rounds that sum differently where it nearly cancels")
     parser.add_argument("--tolerance", type=common.number(float, 0), default=1e-5, help="the largest difference from "
                         "its reference a row may show in loss, grad norm or validation loss (relative above 1)")
     parser.add_argument("--out-dir", default="runs/parity", help="the runs, parity.json and parity.png go here")
@@ -202,12 +206,12 @@ def compare(out_dir, reference_dir, steps=None):
             "DDP buckets": len({reference[s]["bucket_len"] for s in steps})}
 
 
-def failed_checks(row, warmup_steps, tolerance):
+def failed_checks(row, warmup_steps, tolerance, flag="--tolerance"):
     """What fails a compared row: a difference over the tolerance or not a number (a step in another bucket than
     DDP's counts as infinite), a reference that trained fewer than BUCKETS' buckets, or no step past the warmup (where
     the learning rate is small, so is any difference)."""
     failed = [f"{column} is {row[column]:.1e}" for column in COMPARED if not row[column] <= tolerance]  # NaN too
-    failed = [f"{', '.join(failed)}, over --tolerance {tolerance:g}"] if failed else []
+    failed = [f"{', '.join(failed)}, over {flag} {tolerance:g}"] if failed else []
     if row["DDP buckets"] < len(BUCKETS.split(",")) or row["steps"] <= warmup_steps:
         failed.append(f"{row['steps']} steps train {row['DDP buckets']} of the {len(BUCKETS.split(','))} buckets, "
                       f"the warmup {warmup_steps}: raise --steps")
@@ -293,10 +297,14 @@ def main():
             raise common.ReportedError(f"{reference}'s reference of {batches} batches a step failed (exit {status}): "
                                        f"{error}")
         row.update(compare(out_dir / folder, out_dir / row["reference"]))
+        tolerance = ((args.one_batch_tolerance, "--one-batch-tolerance") if itself == "one-batch" else
+                     (args.tolerance, "--tolerance"))
+        row["tolerance"] = tolerance[0]
         failures += [f"{name} at world {world}: {failure}" for failure in
-                     failed_checks(row, config["flags"]["warmup_steps"], args.tolerance)]
+                     failed_checks(row, config["flags"]["warmup_steps"], *tolerance)]
     print(table(results))
     (out_dir / "parity.json").write_text(json.dumps({"tolerance": args.tolerance, "steps": args.steps,
+                                                     "one_batch_tolerance": args.one_batch_tolerance,
                                                      "dtype": args.dtype, "device": args.device, "rows": results},
                                                     indent=1))
     draw(results, out_dir, out_dir / "parity.png")

@@ -73,6 +73,8 @@ def parse_args():
     parser.add_argument("--check-on-gpu", action="store_true", help="also one real step on this GPU (--gpus 1)")
     parser.add_argument("--out", default="runs/estimate_memory", help="memory.json and memory.png go here")
     args, passed_on = parser.parse_known_args()
+    if {item.split("=")[0] for item in passed_on} & {"--out-dir", "--estimate-memory"}:
+        raise common.UsageError("this tool sets each script's --out-dir and --estimate-memory: write to --out instead")
     if args.check_on_gpu and args.gpus != 1:
         raise common.UsageError(f"--check-on-gpu runs on this one GPU: pass --gpus 1, not {args.gpus}")
     if args.check_on_gpu:

@@ -139,8 +139,9 @@ def test_the_tool_prints_a_table_per_strategy_and_why_pp_has_none(tmp_path):
 
 
 @pytest.mark.parametrize("flags,named", [(["--check-on-gpu"], "--gpus 1"),
-                                         (["--check-on-gpu", "--gpus", "1"], "drop --check-on-gpu")])
-def test_a_check_on_a_gpu_that_cannot_run_is_one_line(flags, named):
+                                         (["--check-on-gpu", "--gpus", "1"], "drop --check-on-gpu"),
+                                         (["--out-dir", "elsewhere"], "--out instead")])
+def test_a_check_that_cannot_run_is_one_line(flags, named):
     import subprocess
 
     done = subprocess.run([PYTHON, REPO / "estimate_memory.py", *flags], cwd=REPO, capture_output=True, text=True,

@@ -16,6 +16,13 @@ tokenizer_config.json names (MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS), and tha
 AutoTokenizer, pipelines, vLLM and lm-eval would feed the model ids it never saw. For llama it honours our
 GPT2Tokenizer. A Mixture of Experts (fsdp2_ep_pretrain.py) is written as transformers' own Qwen2MoeForCausalLM, each
 expert's matrices apart, as Qwen's published MoE checkpoints are (transformers forces no tokenizer on qwen2_moe).
+
+A LoRA run (fsdp2_lora_sft.py) is written as PEFT writes it: OUT_DIR holds adapter_config.json and
+adapter_model.safetensors, OUT_DIR/base the base folder they belong to (with the marker rows the run gave it):
+
+    peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("OUT_DIR/base"), "OUT_DIR")
+
+With --merge, OUT_DIR is one plain folder of the merged weights, W + (alpha / r) B A, like any other export.
 """
 import json
 import os
@@ -24,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+import checkpoints
 import common
 import loading
 import modeling
@@ -84,7 +92,7 @@ def moe_model(model):
     return plain
 
 
-def export(checkpoint, out_dir):
+def export(checkpoint, out_dir, merge=False):
     """Write the Hugging Face folder out_dir from a checkpoint folder or a run folder; returns the checkpoint's meta."""
     checkpoint_dir = loading.resolve_checkpoint(checkpoint)
     out_dir = Path(out_dir)
@@ -93,7 +101,11 @@ def export(checkpoint, out_dir):
                                 f"overwrites)")
     partial_dir = out_dir.with_name(f".partial_{out_dir.name}")  # renamed once complete, like the checkpoints
     partial_lock = common.lock_folder(partial_dir, "OUT_DIR")  # one export into OUT_DIR at a time, until the rename
-    model, meta = loading.load_checkpoint_model(checkpoint_dir)
+    meta, adapters = checkpoints.read_meta(checkpoint_dir, "CHECKPOINT"), None
+    if "lora_rank" in meta["config"] and "export" not in meta and not merge:  # the base; the adapters: PEFT's folder
+        model, adapters = loading.lora_parts(checkpoint_dir)
+    else:
+        model, meta = loading.load_checkpoint_model(checkpoint_dir)
     moe = meta["model"] in modeling.MOE_PRESETS
     model = moe_model(model) if moe else llama_model(model)
     model.generation_config.pad_token_id = common.EOT_ID
@@ -105,18 +117,32 @@ def export(checkpoint, out_dir):
             shutil.rmtree(leftover)
         else:
             leftover.unlink()
-    model.save_pretrained(partial_dir)  # config.json, generation_config.json, model.safetensors (tied head once)
-    hf_tokenizer().save_pretrained(partial_dir)
+    model_dir = partial_dir / "base" if adapters else partial_dir
+    model.save_pretrained(model_dir)  # config.json, generation_config.json, model.safetensors (tied head once)
+    hf_tokenizer().save_pretrained(model_dir)
+    if adapters:  # written by peft itself: its config, its key names (base_model.model.<name>.lora_A.weight)
+        from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+
+        model.name_or_path = str(out_dir.resolve() / "base")  # adapter_config.json's base_model_name_or_path
+        lora = LoraConfig(r=meta["config"]["lora_rank"], lora_alpha=meta["config"]["lora_alpha"], task_type="CAUSAL_LM",
+                          target_modules=meta["config"]["lora_targets"])
+        peft_model = get_peft_model(model, lora)
+        loaded = set_peft_model_state_dict(peft_model, {f"base_model.model.{name}": tensor
+                                                        for name, tensor in adapters.items()})
+        assert not loaded.unexpected_keys, loaded.unexpected_keys  # every adapter has its place
+        peft_model.save_pretrained(partial_dir)
+        hf_tokenizer().save_pretrained(partial_dir)
     umask = os.umask(0)
     os.umask(umask)  # read back: the mode any file the user writes gets (644 under the usual umask)
-    for file in partial_dir.iterdir():
+    for file in [*partial_dir.iterdir(), *(partial_dir / "base").glob("*")]:
         file.chmod(0o666 & ~umask)  # model.safetensors comes out 600 (written as a private temporary file)
     why = ("Qwen2-MoE, as transformers writes it" if moe else "Qwen2 weights as Llama with attention_bias=True and "
            "zero o_proj biases (same logits), so that AutoTokenizer keeps GPT2Tokenizer")
     # The checkpoint's meta.json, for this folder: the tools and --init-from read it as a checkpoint's, none resumes it.
-    files = {file.name: file.stat().st_size for file in sorted(partial_dir.iterdir()) if file.name != ".lock"}
+    files = {file.name: file.stat().st_size for file in sorted(model_dir.iterdir()) if file.is_file()
+             and file.name != ".lock"}
     export = {"checkpoint": str(checkpoint_dir), "architecture": type(model).__name__, "why": why}
-    (partial_dir / "meta.json").write_text(json.dumps({**meta, "resumed_by": [], "export": export, "files": files},
+    (model_dir / "meta.json").write_text(json.dumps({**meta, "resumed_by": [], "export": export, "files": files},
                                                       indent=2))
     if out_dir.exists():
         out_dir.rmdir()  # empty, checked above
@@ -130,6 +156,8 @@ if __name__ == "__main__":
     parser = common.ArgumentParser(__doc__)
     parser.add_argument("checkpoint", help="a checkpoint folder, or a run folder (its newest checkpoint is used)")
     parser.add_argument("out_dir", help="the Hugging Face model folder to write (must not exist, or be empty)")
+    parser.add_argument("--merge", action="store_true", help="a LoRA run: one folder of the merged weights, not "
+                        "PEFT's folder beside its base")
     args = parser.parse_args()
-    checkpoint_dir, meta = export(args.checkpoint, args.out_dir)
+    checkpoint_dir, meta = export(args.checkpoint, args.out_dir, args.merge)
     print(f"exported {checkpoint_dir} ({meta['script']}, step {meta['step']}) to {args.out_dir}")

@@ -35,6 +35,13 @@ def load_checkpoint_model(checkpoint_dir, device="cpu"):
     from torch.distributed.checkpoint.api import CheckpointException
 
     meta = checkpoints.read_meta(checkpoint_dir, "checkpoint")
+    if "lora_rank" in meta["config"] and "export" not in meta:  # adapters (fsdp2_lora_sft.py), merged: W + alpha/r B A
+        model, adapters = lora_parts(checkpoint_dir)
+        for name, module in model.named_modules():
+            if f"{name}.lora_A.weight" in adapters:
+                scale = meta["config"]["lora_alpha"] / meta["config"]["lora_rank"]
+                module.weight.data += scale * adapters[f"{name}.lora_B.weight"] @ adapters[f"{name}.lora_A.weight"]
+        return model.to(device), meta
     moe = meta["model"] in modeling.MOE_PRESETS  # fsdp2_ep_pretrain.py's: its experts run as transformers' own
     model = (modeling.build_moe_model if moe else modeling.build_model)(meta["model"]).eval()
     state = model.state_dict()
@@ -56,6 +63,24 @@ def load_checkpoint_model(checkpoint_dir, device="cpu"):
         raise checkpoints.CheckpointError(f"checkpoint {checkpoint_dir} cannot be read ({common.error_reason(exc)}): "
                                           f"it is damaged or not of these scripts") from None
     return model.to(device), meta
+
+
+def lora_parts(checkpoint_dir):
+    """A fsdp2_lora_sft.py checkpoint's base, a plain model with the marker rows the run gave it, and its adapters,
+    whole, named as in the model ({module}.lora_A.weight: r x in, {module}.lora_B.weight: out x r)."""
+    import torch.distributed.checkpoint as dcp
+
+    meta = checkpoints.read_meta(checkpoint_dir, "checkpoint")
+    model, _ = load_checkpoint_model(resolve_checkpoint(meta["config"]["init_from"]))
+    if (rows := torch.load(Path(checkpoint_dir) / "train_state.pt", weights_only=True)["marker_rows"]) is not None:
+        model.model.embed_tokens.weight.data[common.EOT_ID + 1:common.EOT_ID + 1 + len(rows)] = rows
+    adapters, rank = {}, meta["config"]["lora_rank"]
+    for name, module in model.named_modules():
+        if name.split(".")[-1] in meta["config"]["lora_targets"]:
+            adapters[f"{name}.lora_A.weight"] = torch.empty(rank, module.in_features)
+            adapters[f"{name}.lora_B.weight"] = torch.empty(module.out_features, rank)
+    dcp.load(adapters, checkpoint_id=Path(checkpoint_dir) / "model")
+    return model, adapters
 
 
 def script_presets(script):

@@ -38,6 +38,7 @@ STRATEGIES = {
     "fsdp2-ep": ["fsdp2_ep_pretrain.py"],  # --model's Mixture of Experts (its -moe preset), the experts over --ep ranks
     "pp": ["pp_pretrain.py"],
     "sft": ["fsdp2_sft.py", "--data", "data/builtin-sft"],
+    "sft-lora": ["fsdp2_lora_sft.py", "--data", "data/builtin-sft"],  # --lora-rank passed on; the base frozen
     "grpo": ["fsdp2_grpo.py", "--data", "data/builtin-rl"],  # its training step on replies of the bucket's length
 }
 # The tracker's categories (torch.distributed._tools: MemTracker's and FSDPMemTracker's), in the table's five.

@@ -35,13 +35,8 @@ def load_checkpoint_model(checkpoint_dir, device="cpu"):
     from torch.distributed.checkpoint.api import CheckpointException
 
     meta = checkpoints.read_meta(checkpoint_dir, "checkpoint")
-    if "lora_rank" in meta["config"] and "export" not in meta:  # adapters (fsdp2_lora_sft.py), merged: W + alpha/r B A
-        model, adapters = lora_parts(checkpoint_dir)
-        for name, module in model.named_modules():
-            if f"{name}.lora_A.weight" in adapters:
-                scale = meta["config"]["lora_alpha"] / meta["config"]["lora_rank"]
-                module.weight.data += scale * adapters[f"{name}.lora_B.weight"] @ adapters[f"{name}.lora_A.weight"]
-        return model.to(device), meta
+    if "lora_rank" in meta["config"] and "export" not in meta:  # adapters (fsdp2_lora_sft.py), merged into the base
+        return lora_parts(checkpoint_dir, merged=True)[0].to(device), meta
     moe = meta["model"] in modeling.MOE_PRESETS  # fsdp2_ep_pretrain.py's: its experts run as transformers' own
     model = (modeling.build_moe_model if moe else modeling.build_model)(meta["model"]).eval()
     state = model.state_dict()
@@ -65,21 +60,21 @@ def load_checkpoint_model(checkpoint_dir, device="cpu"):
     return model.to(device), meta
 
 
-def lora_parts(checkpoint_dir):
-    """A fsdp2_lora_sft.py checkpoint's base, a plain model with the marker rows the run gave it, and its adapters,
-    whole, named as in the model ({module}.lora_A.weight: r x in, {module}.lora_B.weight: out x r)."""
+def lora_parts(checkpoint_dir, merged=False):
+    """A fsdp2_lora_sft.py checkpoint's base (with the marker rows the run gave it) and adapters, whole, named as in the
+    model ({module}.lora_A.weight, {module}.lora_B.weight); merged: the base's weights W + (alpha / r) B A."""
     import torch.distributed.checkpoint as dcp
 
-    meta = checkpoints.read_meta(checkpoint_dir, "checkpoint")
-    model, _ = load_checkpoint_model(resolve_checkpoint(meta["config"]["init_from"]))
+    config = checkpoints.read_meta(checkpoint_dir, "checkpoint")["config"]
+    model, _ = load_checkpoint_model(resolve_checkpoint(config["init_from"]))
     if (rows := torch.load(Path(checkpoint_dir) / "train_state.pt", weights_only=True)["marker_rows"]) is not None:
         model.model.embed_tokens.weight.data[common.EOT_ID + 1:common.EOT_ID + 1 + len(rows)] = rows
-    adapters, rank = {}, meta["config"]["lora_rank"]
-    for name, module in model.named_modules():
-        if name.split(".")[-1] in meta["config"]["lora_targets"]:
-            adapters[f"{name}.lora_A.weight"] = torch.empty(rank, module.in_features)
-            adapters[f"{name}.lora_B.weight"] = torch.empty(module.out_features, rank)
+    stored = dcp.FileSystemReader(Path(checkpoint_dir) / "model").read_metadata().state_dict_metadata  # their shapes
+    adapters = {name: torch.empty(entry.size) for name, entry in stored.items()}
     dcp.load(adapters, checkpoint_id=Path(checkpoint_dir) / "model")
+    for name, module in model.named_modules() if merged else []:
+        if (a := adapters.get(f"{name}.lora_A.weight")) is not None:
+            module.weight.data += config["lora_alpha"] / config["lora_rank"] * adapters[f"{name}.lora_B.weight"] @ a
     return model, adapters
 
 

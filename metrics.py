@@ -81,7 +81,7 @@ def estimate_memory(args, model, optimizer, train_step, device, micro_batches):
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.modules.module import register_module_forward_pre_hook
 
-    for parameter in model.parameters():  # AdamW makes its state in its first step: here, on zero gradients
+    for parameter in filter(lambda p: p.requires_grad, model.parameters()):  # AdamW makes its state in its first step
         parameter.grad = torch.zeros_like(parameter)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from helpers import PYTHON, REPO, TINY_DATA, check, run_script
+from helpers import BUILTIN_SFT, PYTHON, REPO, TINY_DATA, check, run_script
 
 # One step per bucket of the tiny model, fp32; two micro-batches, so that the gradients of the first meet the second.
 FLAGS = ["--model", "tiny", "--data", TINY_DATA, "--buckets", "64", "--tokens-per-batch", 128, "--grad-accum", 2,
@@ -52,7 +52,8 @@ def fake_runs(shared_runs):
             "cp 4": ("fsdp2_cp_pretrain.py", ["--cp", 4, *LONG], 4),
             "replicate 2 x cp 2": ("fsdp2_3d_pretrain.py", ["--dp-replicate", 2, "--cp", 2, *LONG], 4),
             "ep 2 of 4": ("fsdp2_ep_pretrain.py", ["--ep", 2], 4),
-            "ep 4 of 4": ("fsdp2_ep_pretrain.py", ["--ep", 4], 4)}
+            "ep 4 of 4": ("fsdp2_ep_pretrain.py", ["--ep", 4], 4),
+            "lora rank 4": ("fsdp2_lora_sft.py", ["--data", BUILTIN_SFT, "--lora-rank", 4], 2)}
     with ThreadPoolExecutor(2) as pool:
         futures = {name: pool.submit(estimate, shared_runs / name.replace(" ", "-"), script, *flags,
                                      world_size=world_size) for name, (script, flags, world_size) in runs.items()}
@@ -93,7 +94,7 @@ def test_the_trends_hold(fake_runs):
     all but the loss's weight gradient halves); full checkpointing keeps fewer activations than selective, and
     selective fewer than none. The 3D script at replicate 2 x cp 2 on 4 ranks holds FSDP2's state of 2 ranks (shards
     over the cp pair, a copy in the other replica) and CP's activations at cp 2. The MoE script holds a quarter of its
-    model on each of 4 ranks at ep 2 as at ep 4."""
+    model on each of 4 ranks at ep 2 as at ep 4. LoRA's gradients and AdamW's state are its adapters' alone."""
     def state(name):
         return total(fake_runs[name], PARAMETERS + OPTIMIZER)
 
@@ -109,6 +110,16 @@ def test_the_trends_hold(fake_runs):
         assert total(fake_runs[name], PARAMETERS) == pytest.approx(moe_bytes / 4, rel=1e-3)
         assert total(fake_runs[name], OPTIMIZER) == pytest.approx(2 * moe_bytes / 4, rel=1e-3)
     assert fake_runs["replicate 2 x cp 2"]["Activation"] == fake_runs["cp 2"]["Activation"]
+    # LoRA: the base's shards as FSDP2's, the adapters' beside them (A: r x in, B: out x r, each halved at world 2);
+    # gradients and AdamW's moments (and step counts) for the adapters only.
+    import modeling
+
+    targets = [m for name, m in modeling.build_model("tiny").named_modules() if name.endswith("_proj")]
+    adapter_bytes = sum(4 * (m.in_features + m.out_features) for m in targets) * 4 // 2
+    lora = fake_runs["lora rank 4"]
+    assert total(lora, PARAMETERS) == total(fake_runs["fsdp2 world 2"], PARAMETERS) + adapter_bytes
+    assert total(lora, OPTIMIZER) == 2 * adapter_bytes + 4 * 2 * len(targets)
+    assert 0 < total(lora, GRADIENTS) <= 2 * adapter_bytes
 
 
 def test_the_tool_prints_a_table_per_strategy_and_why_pp_has_none(tmp_path):

@@ -96,3 +96,14 @@ def test_a_bad_adapter_flag_is_one_line(flags, named, tmp_path):
     done = run_script(SCRIPT, *TINY_RUN, *SFT_DATA, *flags, "--out-dir", tmp_path / "run")
     assert done.returncode == 2 and named in done.stderr and done.stderr.strip().count("\n") == 0, done.stderr
     assert tree_hashes(tmp_path) == before
+
+
+@pytest.mark.slow
+def test_a_resume_on_another_base_is_one_line(runs):
+    other = runs["base"] / "checkpoints" / "step_10"  # the run's base is its newest, step_20
+    before = tree_hashes(runs["2 ranks, resumed"])
+    done = run_script(SCRIPT, *LORA_RUN, "--max-steps", 8, "--init-from", other, "--out-dir", runs["2 ranks, resumed"],
+                      "--resume")
+    assert done.returncode == 2 and done.stderr.strip().count("\n") == 0, done.stderr
+    assert f"were trained on {runs['base'] / 'checkpoints' / 'step_20'}" in done.stderr
+    assert tree_hashes(runs["2 ranks, resumed"]) == before

@@ -30,6 +30,9 @@ import modeling
 SCRIPT = Path(__file__).stem  # names the run folder and is recorded in every checkpoint
 # The scripts that resume its checkpoints (recorded in each): its optimizer state is Muon's, which no other one reads.
 RESUMED_BY = [SCRIPT]
+# What --init-from reads, the weights only: a model/ folder of DCP shards (the FSDP2 layout), of any optimizer's run.
+STARTS_FROM = ["fsdp2_pretrain", "fsdp2_tp_pretrain", "fsdp2_cp_pretrain", "pp_pretrain", "fsdp2_sft", "fsdp2_grpo",
+               "fsdp2_3d_pretrain", "fsdp2_muon_pretrain"]
 # Each --model preset's training defaults: the values of the flags left unset (its shape: common.MODEL_PRESETS).
 PRESETS = {
     "tiny": dict(buckets=[32, 48, 64, 96, 128], tokens_per_batch=512, lr=3e-3, warmup_steps=5, max_steps=20,
@@ -46,9 +49,9 @@ local_rank = int(os.environ.get("LOCAL_RANK", 0))
 parser = common.get_parser(__doc__, f"runs/{SCRIPT}")
 common.add_batch_arguments(parser)  # --grad-accum, --bucket-order
 parser.add_argument("--data", nargs="+", default=["data/builtin"], help="prepared folders, or FOLDER:WEIGHT ...")
-parser.add_argument("--init-from", default=None, help="start from the weights of a checkpoint this script resumes (a "
-                    "checkpoint folder, or a run folder: its newest) at step 0, with a fresh optimizer and schedule "
-                    "(default: none, the model's own init)")
+parser.add_argument("--init-from", default=None, help="start from the weights of a checkpoint of the FSDP2 layout, "
+                    "AdamW's or Muon's (a checkpoint folder, or a run folder: its newest) at step 0, with a fresh "
+                    "optimizer and schedule (default: none, the model's own init)")
 parser.add_argument("--reshard-after-forward", type=common.boolean, default=True, help="true: a layer's gathered "
                     "parameters are freed after forward, gathered again in backward (ZeRO-3); false: kept (ZeRO-2)")
 args = common.parse_args(parser, PRESETS)  # the flags left unset: the --model preset's
@@ -61,7 +64,7 @@ dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if
 fake = args.estimate_memory == "fake"  # estimate_memory.py's: fake tensors on a fake process group, shapes only
 checkpoint_root = Path(args.out_dir) / "checkpoints"
 resume_dir = checkpoints.find_resume_checkpoint(args, checkpoint_root, SCRIPT)
-init_dir = None if resume_dir or not args.init_from else checkpoints.find_init_checkpoint(args, RESUMED_BY)
+init_dir = None if resume_dir or not args.init_from else checkpoints.find_init_checkpoint(args, STARTS_FROM)
 
 # ---------------------------------------------------------------------------------------------- data
 # Splits: each sample's start, length and target count, as arrays over the memory-mapped tokens.

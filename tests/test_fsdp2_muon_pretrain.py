@@ -72,3 +72,16 @@ def test_each_rank_holds_one_muon_buffer_per_matrix_shard_where_adamw_holds_two(
     for rank in (0, 1):
         assert (f"rank {rank} holds {total // 2:,} parameter and {(2 * (total - matrices) + matrices) // 2:,} "
                 f"optimizer-state elements") in result.stdout
+
+
+def test_init_from_takes_an_adamw_checkpoints_weights(tiny_run, tmp_path):
+    """--init-from reads only the model: an AdamW run's checkpoint (FSDP2's) starts it; lr 0, so the step-1 checkpoint
+    holds exactly the weights it started from."""
+    from helpers import model_tensors
+
+    pretrain_dir, _ = tiny_run("fsdp2_pretrain.py")
+    check(run_script("fsdp2_muon_pretrain.py", *TINY_RUN, "--init-from", pretrain_dir, "--lr", 0, "--max-steps", 1,
+                     "--out-dir", tmp_path / "muon", nproc=2))
+    started = model_tensors(pretrain_dir / "checkpoints" / "step_20", tmp_path)
+    after = model_tensors(tmp_path / "muon" / "checkpoints" / "step_1", tmp_path)
+    assert started.keys() == after.keys() and all(torch.equal(after[name], started[name]) for name in started)

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from baseline_rows import trainer_blocks, trl_rows  # noqa: E402
+
 import common  # noqa: E402
 import data  # noqa: E402
 import loading  # noqa: E402
@@ -200,9 +202,7 @@ else:
 
         block = args.buckets[-1]
         corpus = data.open_prepared(args.data, "--data")
-        ids = corpus.tokens.tolist()  # every document followed by <|endoftext|>, as run_clm concatenates them
-        blocks = datasets.Dataset.from_dict({"input_ids": [ids[i:i + block]
-                                                           for i in range(0, len(ids) - block + 1, block)]})
+        blocks = datasets.Dataset.from_dict({"input_ids": trainer_blocks(corpus, block)})
 
         def collate(examples):  # the language-modeling collator: labels are the inputs (the model shifts them)
             block_tokens = sum(len(example["input_ids"]) for example in examples)
@@ -224,12 +224,8 @@ else:
         from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
         train, _ = data.load_sft_data(args)
-        samples = [data.sample_tokens(train, i) for i in range(len(train.lengths))]
-        masks = [train.mask[start:start + length] for start, length in zip(train.starts, train.lengths)]
-        rows = {"input_ids": [t.tolist() for t in samples],
-                "labels": [[t if m else common.IGNORE_INDEX for t, m in zip(ts.tolist(), ms)]
-                           for ts, ms in zip(samples, masks)]}
-        batch_size = max(1, args.tokens_per_batch // max(train.lengths))
+        rows = trl_rows(train)  # our token ids, labels on the assistant's tokens
+        batch_size = max(1, args.tokens_per_batch // int(max(train.lengths)))  # an int: DataLoader refuses numpy's
         pad = DataCollatorForLanguageModeling(pad_token_id=common.EOT_ID)
 
         def collate(examples):  # TRL's own collator (pads to the longest in the batch), counting real tokens
@@ -245,7 +241,7 @@ else:
                                             **common_args))
         trainer.train()
         report(clock.window_tokens, clock.window_padded, clock.seconds, batch_size=batch_size,
-               longest=max(train.lengths))
+               longest=int(max(train.lengths)))
 
 # Leave as our scripts do (Trainer and TRL set the group up and leave it): without a barrier before the teardown,
 # gloo aborts about 2 exits in 5 ("terminate called without an active exception").

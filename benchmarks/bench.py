@@ -132,8 +132,13 @@ wanted = set(cli.only.split(",")) if cli.only else None
 
 
 def run(name, measure, *args, **kwargs):
+    """One row; a row that fails is reported with its stderr's end, and the others still run."""
     if wanted is None or name in wanted:
-        results[name] = measure(*args, **kwargs)
+        try:
+            results[name] = measure(*args, **kwargs)
+        except SystemExit as failure:  # torchrun()'s: the command and its stderr's last 3,000 characters
+            print(f"row {name!r} failed: {failure}", file=sys.stderr, flush=True)
+            results.setdefault("failed", {})[name] = str(failure)
 
 
 run("ddp_pretrain.py", ours, "ddp_pretrain.py", *pretrain_flags)
@@ -226,6 +231,8 @@ for key, what in (("peak_mem_gb_per_bucket", "peak memory"), ("peak_reserved_gb_
               f"{max(fsdp2[key].values()) / min(fsdp2[key].values()) - 1:+.1%} over the lowest "
               "(target on GPU: within 15%"
               f"{'' if results['cuda'] else '; on CPU mostly the resident libraries, so no test of it'})")
+if results.get("failed"):
+    print(f"failed rows (their stderr above): {', '.join(results['failed'])}")
 # A dated name, so that a later run keeps this one.
 output = Path(cli.output or REPO / "benchmarks" / f"results-{started:%Y-%m-%dT%H%M}-{cli.model}-{cli.nproc}ranks.json")
 output.write_text(json.dumps(results, indent=2))

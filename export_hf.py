@@ -134,7 +134,7 @@ def export(checkpoint, out_dir, merge=False):
         hf_tokenizer().save_pretrained(partial_dir)
     umask = os.umask(0)
     os.umask(umask)  # read back: the mode any file the user writes gets (644 under the usual umask)
-    for file in [*partial_dir.iterdir(), *(partial_dir / "base").glob("*")]:
+    for file in [f for f in [*partial_dir.iterdir(), *(partial_dir / "base").glob("*")] if f.is_file()]:  # not base/
         file.chmod(0o666 & ~umask)  # model.safetensors comes out 600 (written as a private temporary file)
     why = ("Qwen2-MoE, as transformers writes it" if moe else "Qwen2 weights as Llama with attention_bias=True and "
            "zero o_proj biases (same logits), so that AutoTokenizer keeps GPT2Tokenizer")

@@ -101,7 +101,7 @@ base = checkpoints.read_meta(resume_dir, "--resume")["config"]["init_from"] if r
 if init_dir is not None and Path(base).resolve() != init_dir.resolve():  # the adapters belong to one base
     raise common.UsageError(f"--init-from {init_dir}: the adapters of --resume {resume_dir} were trained on {base}: "
                             f"pass --init-from {base}")
-args.init_from = str(init_dir or base)  # recorded in each checkpoint: the base folder itself, not a run's newest
+args.init_from = str(init_dir.resolve() if init_dir else base)  # recorded in each checkpoint: the base folder itself
 
 # ---------------------------------------------------------------------------------------------- data
 tokenizer = common.get_chat_tokenizer()  # GPT-2 BPE plus the role and reasoning markers

@@ -35,12 +35,12 @@ def load_checkpoint_model(checkpoint_dir, device="cpu"):
     from torch.distributed.checkpoint.api import CheckpointException
 
     meta = checkpoints.read_meta(checkpoint_dir, "checkpoint")
-    if "lora_rank" in meta["config"] and "export" not in meta:  # adapters (fsdp2_lora_sft.py), merged into the base
-        return lora_parts(checkpoint_dir, merged=True)[0].to(device), meta
     moe = meta["model"] in modeling.MOE_PRESETS  # fsdp2_ep_pretrain.py's: its experts run as transformers' own
     model = (modeling.build_moe_model if moe else modeling.build_model)(meta["model"]).eval()
     state = model.state_dict()
     try:
+        if "lora_rank" in meta["config"] and "export" not in meta:  # adapters (fsdp2_lora_sft.py), merged into the base
+            return lora_parts(checkpoint_dir, merged=True)[0].to(device), meta
         if "export" in meta and moe:  # each expert's matrices apart, as transformers writes them: it fuses them again
             from transformers import Qwen2MoeForCausalLM
             state = Qwen2MoeForCausalLM.from_pretrained(checkpoint_dir).state_dict()

@@ -3,7 +3,8 @@ torch.optim's global step hooks, every adapted projection's base weight, whole, 
 
     LORA_PROBE=probe.json python tests/lora_probe.py fsdp2_lora_sft.py [flags]
 
-Rank 0 writes {"steps": N, "base_changed": [names], "adapters_changed": n}; tests/test_fsdp2_lora_sft.py reads it.
+Rank 0 writes {"steps", "base_changed" (module ids), "adapters_changed", "adapted"}; tests/test_fsdp2_lora_sft.py
+reads it.
 """
 import json
 import os

@@ -1,7 +1,7 @@
 """fsdp2_lora_sft.py on CPU with gloo (tiny, fp32), from the shared FSDP2 pretraining run: on 4 ranks it trains as one
-process within 1e-5 at every step (3 buckets, clipping active) and never moves the base (tests/lora_probe.py); killed
-on 4 ranks, it continues on 2 exactly. The export loads in PEFT with the script's logits, and PEFT's merge equals the
-merged export. Bad flags are one line."""
+process within 1e-5 at every step (2 buckets or more, clipping active) and never moves the base
+(tests/lora_probe.py); killed on 4 ranks, it continues on 2 exactly. The export loads in PEFT with the script's
+logits, and PEFT's merge equals the merged export. Bad flags are one line."""
 import json
 
 import pytest

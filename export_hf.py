@@ -18,7 +18,8 @@ GPT2Tokenizer. A Mixture of Experts (fsdp2_ep_pretrain.py) is written as transfo
 expert's matrices apart, as Qwen's published MoE checkpoints are (transformers forces no tokenizer on qwen2_moe).
 
 A LoRA run (fsdp2_lora_sft.py) is written as PEFT writes it: OUT_DIR holds adapter_config.json and
-adapter_model.safetensors, OUT_DIR/base the base folder they belong to (with the marker rows the run gave it):
+adapter_model.safetensors, OUT_DIR/base the base folder they belong to (with the marker rows the run gave it; a
+--base-dtype nf4 run's base dequantized, as it trained on it):
 
     peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("OUT_DIR/base"), "OUT_DIR")
 

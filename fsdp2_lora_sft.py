@@ -74,6 +74,8 @@ parser.add_argument("--lora-alpha", type=common.number(float, 1e-9), default=32.
                     "alpha / r, so a new --lora-rank keeps its size at the start of training")
 parser.add_argument("--lora-targets", type=lambda text: text.split(","), default=TARGETS,
                     help=f"comma-separated projections that get an adapter (default: {','.join(TARGETS)})")
+parser.add_argument("--base-dtype", choices=["fp32", "nf4"], default="fp32", help="how the targets' frozen weights are "
+                    "stored: as the other parameters, or in 4 bits (torchao's NF4, as QLoRA), dequantized to compute")
 parser.add_argument("--replay", default=None, help="SOURCE:SHARE: pretraining text trained on beside the conversations "
                     "as that share of the tokens, every token a target, so that the model keeps its prose (e.g. "
                     "data/builtin:0.2; default: none)")
@@ -89,6 +91,12 @@ narrowest = min(kv_width if name in ("k_proj", "v_proj") else shape["hidden_size
 if args.lora_rank > narrowest:
     raise common.UsageError(f"--lora-rank {args.lora_rank} is above the narrowest target's width ({narrowest}, "
                             f"--model {args.model}): pass at most {narrowest}")
+widths = [shape["hidden_size"], shape["intermediate_size"], kv_width]  # the projections' rows; the first two: columns
+misfits = [w for w in widths[:2] if w % 64] + [w for w in widths if w % world_size]  # NF4: whole blocks, whole rows
+if args.base_dtype == "nf4" and (world_size < 2 or misfits):
+    raise common.UsageError(f"--base-dtype nf4 needs 2 ranks or more (FSDP2 on one hands NF4 one of its 3 tensors: "
+                            f"pytorch#197999), and widths {widths} (--model {args.model}) in whole blocks of 64 "
+                            f"and whole rows a rank: pass --base-dtype fp32")
 run_folder_lock = common.lock_folder(args.out_dir, "--out-dir") if rank == 0 else None  # one writer, until exit
 stop_signals = common.note_stop_signals()  # SIGTERM, SIGINT, SIGUSR1: this rank's, until the step's end
 device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
@@ -156,6 +164,21 @@ for layer in model.model.layers:  # A is drawn in this fixed order, the same on 
 n_params, model_config = model.num_parameters(), model.config  # transformers' count: a tied weight once
 if rank == 0:
     common.write_config(args, SCRIPT, world_size, device, dtype, n_params, tokens_per_step, resume_dir or init_dir)
+# The base's weights, on resume too (a checkpoint holds only the adapters), each under the base's own name: read whole
+# on every rank before the wrap (which shards them), because NF4 quantizes whole rows.
+base_names = {name: name.replace(".base_layer.", ".") for name in get_model_state_dict(model) if "lora_" not in name}
+if init_dir is not None and checkpoints.is_hf_folder(init_dir):  # export_hf.py's
+    whole = checkpoints.hf_state_dict(init_dir)
+    set_model_state_dict(model, {name: whole[base_name] for name, base_name in base_names.items()},
+                         options=StateDictOptions(strict=False))
+elif init_dir is not None:
+    model_state = get_model_state_dict(model)  # whole tensors: DCP reads every shard of each
+    dcp.load({base_name: model_state[name] for name, base_name in base_names.items()}, checkpoint_id=init_dir / "model")
+    set_model_state_dict(model, model_state)
+if args.base_dtype == "nf4":  # 64 weights a block, its scale; the scales quantized a row at a time, so a rank's rows
+    from torchao.quantization import to_nf4  # quantize alike in any world (torchao: read only for this flag)
+    for linear in [module.base_layer for module in model.modules() if isinstance(module, LoRALinear)]:
+        linear.weight = torch.nn.Parameter(to_nf4(linear.weight.detach(), 64, linear.in_features // 64), False)
 if args.compile:
     torch._dynamo.config.recompile_limit = 2 * len(args.buckets)  # per bucket a training and an evaluation graph
     for layer in model.model.layers.children():  # regional: all layers share each bucket's graph; hooks stay outside
@@ -169,16 +192,6 @@ for layer in model.model.layers:  # one unit per decoder layer: only one layer i
 fully_shard(model, mp_policy=mixed_precision)  # the root: embedding, tied head, final norm; default mesh: all ranks
 
 # ---------------------------------------------------------------------------------------------- init from a checkpoint
-# The base's weights, on resume too (a checkpoint holds only the adapters): each under the base's own name.
-base_names = {name: name.replace(".base_layer.", ".") for name in get_model_state_dict(model) if "lora_" not in name}
-if init_dir is not None and checkpoints.is_hf_folder(init_dir):  # export_hf.py's: whole tensors; each rank keeps shards
-    whole = checkpoints.hf_state_dict(init_dir)
-    set_model_state_dict(model, {name: whole[base_name] for name, base_name in base_names.items()},
-                         options=StateDictOptions(full_state_dict=True, strict=False))
-elif init_dir is not None:
-    model_state = get_model_state_dict(model)  # this rank's shards: DCP reads only those, nothing is gathered
-    dcp.load({base_name: model_state[name] for name, base_name in base_names.items()}, checkpoint_id=init_dir / "model")
-    set_model_state_dict(model, model_state)
 marker_rows = None  # the base's own, unless set here: then saved in each checkpoint, as the base's part of the run
 if init_dir is not None and not checkpoints.read_meta(init_dir, "--init-from").get("chat_format"):
     # The marker rows (50,257 and up) were never trained: start them at the mean of the real token rows, so

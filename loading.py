@@ -6,6 +6,8 @@ import pickle
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 import checkpoints
 import common
@@ -31,9 +33,6 @@ def load_checkpoint_model(checkpoint_dir, device="cpu"):
         model/           the whole folder                  (DCP, model saved apart from the optimizer: FSDP2)
         otherwise        the app state's "model" entry     (DCP, one Stateful app state: FSDP1)
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
     meta = checkpoints.read_meta(checkpoint_dir, "checkpoint")
     moe = meta["model"] in modeling.MOE_PRESETS  # fsdp2_ep_pretrain.py's: its experts run as transformers' own
     model = (modeling.build_moe_model if moe else modeling.build_model)(meta["model"]).eval()
@@ -61,10 +60,8 @@ def load_checkpoint_model(checkpoint_dir, device="cpu"):
 
 
 def lora_parts(checkpoint_dir, merged=False):
-    """A fsdp2_lora_sft.py checkpoint's base (with the marker rows the run gave it) and adapters, whole, named as in the
-    model ({module}.lora_A.weight, {module}.lora_B.weight); merged: the base's weights W + (alpha / r) B A."""
-    import torch.distributed.checkpoint as dcp
-
+    """A fsdp2_lora_sft.py checkpoint's base (with the marker rows the run gave it; a 4-bit one dequantized) and
+    adapters, whole, named as in the model ({module}.lora_A.weight, ...B.weight); merged: W + (alpha / r) B A."""
     config = checkpoints.read_meta(checkpoint_dir, "checkpoint")["config"]
     model, _ = load_checkpoint_model(resolve_checkpoint(config["init_from"]))
     if (rows := torch.load(Path(checkpoint_dir) / "train_state.pt", weights_only=True)["marker_rows"]) is not None:
@@ -72,8 +69,11 @@ def lora_parts(checkpoint_dir, merged=False):
     stored = dcp.FileSystemReader(Path(checkpoint_dir) / "model").read_metadata().state_dict_metadata  # their shapes
     adapters = {name: torch.empty(entry.size) for name, entry in stored.items()}
     dcp.load(adapters, checkpoint_id=Path(checkpoint_dir) / "model")
-    for name, module in model.named_modules() if merged else []:
-        if (a := adapters.get(f"{name}.lora_A.weight")) is not None:
+    for name, module in model.named_modules():
+        if (a := adapters.get(f"{name}.lora_A.weight")) is not None and config.get("base_dtype") == "nf4":
+            from torchao.quantization import to_nf4  # what the run computed with: the base's 4-bit round trip
+            module.weight.data = to_nf4(module.weight.data, 64, module.in_features // 64).get_original_weight()
+        if a is not None and merged:
             module.weight.data += config["lora_alpha"] / config["lora_rank"] * adapters[f"{name}.lora_B.weight"] @ a
     return model, adapters
 

@@ -101,8 +101,8 @@ for (method, lr), (_, val, seconds) in sweep.items():
     print(f"{method:>10} {lr:>6} {val[cli.steps]:.4f} {seconds:.2f}{'  best' if best[method] == lr else ''}")
 print("| method (best lr) | " + " | ".join(results["tasks"]) + " |")
 for method, tasks in scores.items():
-    print(f"| {method} ({best[method]}) | " + " | ".join(
-        f"{tasks[t]['value']:.1%} [{tasks[t]['ci_low']:.1%}, {tasks[t]['ci_high']:.1%}]" for t in results["tasks"]) + " |")
+    cells = [f"{tasks[t]['value']:.1%} [{tasks[t]['ci_low']:.1%}, {tasks[t]['ci_high']:.1%}]" for t in results["tasks"]]
+    print(f"| {method} ({best[method]}) | " + " | ".join(cells) + " |")
 
 import matplotlib  # noqa: E402
 

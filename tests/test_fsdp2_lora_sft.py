@@ -115,7 +115,8 @@ def test_a_4_bit_base_on_2_ranks_trains_as_one_process_on_its_dequantized_base(r
     assert torch.equal(load_file(tmp_path / "peft" / "base" / "model.safetensors")["model.layers.0.mlp.up_proj.weight"],
                        dequantized["model.layers.0.mlp.up_proj.weight"])
     input_ids = torch.tensor([common.get_tokenizer().encode_ordinary("The interpreter reads a line")])
-    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "peft" / "base"), tmp_path / "peft")
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "peft" / "base")
+    peft = PeftModel.from_pretrained(base, tmp_path / "peft")
     with torch.no_grad():
         logits = loading.load_checkpoint_model(checkpoint)[0](input_ids=input_ids).logits
         assert (peft(input_ids=input_ids).logits - logits).abs().max() < 1e-5

@@ -105,10 +105,10 @@ for layer in model.model.layers:  # one unit per decoder layer: only one layer i
 fully_shard(model, mp_policy=mixed_precision)  # the root: embedding, tied head, final norm; default mesh: all ranks
 
 # ---------------------------------------------------------------------------------------------- optimizer
-def newton_schulz(update, steps=5, coefficients=(3.4445, -4.7750, 2.0315), eps=1e-7):
-    """Muon's orthogonalization, torch.optim.Muon's iteration in the run's dtype (bf16 on a GPU, as torch's always
-    is; fp32 on a CPU): scaled to a spectral norm of at most 1, five quintic steps push the singular values of the
-    matrix towards 1 (all but the smallest to about 0.7-1.2), keeping its singular vectors: U S V^T -> about U V^T."""
+def newton_schulz(update, dtype, steps=5, coefficients=(3.4445, -4.7750, 2.0315), eps=1e-7):
+    """Muon's orthogonalization, torch.optim.Muon's iteration in dtype (bf16 on a GPU, as torch's always is): at a
+    spectral norm of at most 1, five quintic steps push the singular values up towards 1, the vectors kept (U S V^T ->
+    U S' V^T); S' is 0.7-1.2 for a random matrix, mostly 0.1-0.5 for a low-rank-plus-noise one (as gradients are)."""
     x = update.to(dtype)
     tall = x.shape[0] > x.shape[1]  # iterate on the wide form: its Gram matrix is the smaller one
     x = (x.T if tall else x) / x.norm().clamp(min=eps)
@@ -122,6 +122,7 @@ def newton_schulz(update, steps=5, coefficients=(3.4445, -4.7750, 2.0315), eps=1
 class MuonWithAdamW(torch.optim.AdamW):
     """torch's AdamW for every group but the "muon" one, whose matrices take Muon over FSDP2's row shards: momentum
     on each rank's own shard, each matrix gathered whole to one owner rank, orthogonalized there, scattered back."""
+    momentum, rms_scale = 0.95, 0.2  # torch.optim.Muon's momentum; 0.2: AdamW's typical update RMS (Moonlight)
 
     @torch.no_grad()
     def step(self, closure=None):  # (the script passes no closure: AdamW's would run after Muon's update)
@@ -134,31 +135,33 @@ class MuonWithAdamW(torch.optim.AdamW):
             state["step"] += 1
         shards, grads = [p.to_local() for p in matrices], [p.grad.to_local() for p in matrices]
         buffers = [self.state[p]["momentum_buffer"].to_local() for p in matrices]
-        torch._foreach_lerp_(buffers, grads, 1 - 0.95)  # momentum 0.95, element by element: each rank its rows
-        updates = torch._foreach_lerp(grads, buffers, 0.95)  # Nesterov's: the gradient, 0.95 of the way to the buffer
+        torch._foreach_lerp_(buffers, grads, 1 - self.momentum)  # element by element: each rank its own rows
+        updates = torch._foreach_lerp(grads, buffers, self.momentum)  # Nesterov's: the gradient, momentum of the way
         # Matrix i's owner is rank i % world, dealt round-robin (a layer's 7 kinds evenly unless world % 7 == 0).
         # Each rank's rows of it, padded to FSDP2's chunk (ceil(rows / world)), are gathered to the owner; the owner
         # orthogonalizes the whole and scatters each rank's rows back: per step, each rank sends and receives about
         # 2/world of the matrices (at qwen2-0.5b's 358M matrix elements on 8 GPUs: 0.31 GB in fp32) and orthogonalizes
         # 1/world of them (21 of 168). Every rank gathering every matrix would move 1.25 GB into each, repeat all 168.
         chunks = [math.ceil(p.shape[0] / world_size) for p in matrices]
-        rows = [F.pad(update, (0, 0, 0, chunk - len(update))) for update, chunk in zip(updates, chunks)]
-        wholes = [[torch.empty_like(x) for _ in range(world_size)] if i % world_size == rank else None
-                  for i, x in enumerate(rows)]
-        for work in [dist.gather(x, whole, dst=i % world_size, async_op=True) for i, (x, whole) in
-                     enumerate(zip(rows, wholes))]:
+        sent = [F.pad(update, (0, 0, 0, chunk - len(update))) for update, chunk in zip(updates, chunks)]
+        gathered = [[torch.empty_like(x) for _ in range(world_size)] if i % world_size == rank else None
+                    for i, x in enumerate(sent)]  # the owner's: every rank's piece of its matrix
+        for work in [dist.gather(x, pieces, dst=i % world_size, async_op=True) for i, (x, pieces) in
+                     enumerate(zip(sent, gathered))]:
             work.wait()
+        orthogonal = [None] * len(matrices)  # the owner's: its matrix orthogonalized, cut into the ranks' pieces again
         for i in range(rank, len(matrices), world_size):  # this rank's own, all at once, while the others do theirs
-            orthogonal = newton_schulz(torch.cat(wholes[i])[:len(matrices[i])])
-            wholes[i] = list(F.pad(orthogonal, (0, 0, 0, chunks[i] * world_size - len(orthogonal))).chunk(world_size))
-        for work in [dist.scatter(x, whole, src=i % world_size, async_op=True) for i, (x, whole) in
-                     enumerate(zip(rows, wholes))]:  # into rows: this rank's rows of each orthogonalized update
+            whole = newton_schulz(torch.cat(gathered[i])[:len(matrices[i])], dtype)
+            orthogonal[i] = list(F.pad(whole, (0, 0, 0, chunks[i] * world_size - len(whole))).chunk(world_size))
+        received = [torch.empty_like(x) for x in sent]  # this rank's rows of each orthogonalized update
+        for work in [dist.scatter(x, pieces, src=i % world_size, async_op=True) for i, (x, pieces) in
+                     enumerate(zip(received, orthogonal))]:
             work.wait()
-        # As torch.optim.Muon with adjust_lr_fn="match_rms_adamw": decay at --lr, the step at 0.2 x sqrt(the longer
-        # side) x --lr, which gives the update AdamW's typical RMS (Moonlight): AdamW's rate and decay carry over.
+        # As torch.optim.Muon with adjust_lr_fn="match_rms_adamw": decay at --lr, the step at rms_scale x sqrt(longer
+        # side) x --lr, AdamW's typical update RMS; the best rate can still differ (small: 3.3x AdamW's, BENCHMARKS.md).
         torch._foreach_mul_(shards, 1 - group["lr"] * group["weight_decay"])
-        for shard, x, p in zip(shards, rows, matrices):
-            shard.add_(x[:len(shard)], alpha=-group["lr"] * 0.2 * math.sqrt(max(p.shape)))
+        for shard, x, p in zip(shards, received, matrices):
+            shard.add_(x[:len(shard)], alpha=-group["lr"] * self.rms_scale * math.sqrt(max(p.shape)))
         for p in matrices:
             p.grad = None  # AdamW, below, leaves a parameter without a gradient alone
         return super().step(closure)
@@ -167,11 +170,11 @@ class MuonWithAdamW(torch.optim.AdamW):
 # Matrices decay; biases and norm gains do not: decided by name, the same rule in every script. Muon takes the decoder
 # layers' matrices; AdamW the rest: the tied embedding (its rows are looked up, not a map to orthogonalize) and the
 # vectors.
-matrices = {name: p for name, p in model.named_parameters() if p.ndim == 2 and ".layers." in name}
-decay = [p for name, p in model.named_parameters() if not (name.endswith("bias") or "norm" in name or name in matrices)]
+for_muon = {name: p for name, p in model.named_parameters() if p.ndim == 2 and ".layers." in name}
+decay = [p for name, p in model.named_parameters() if not (name.endswith("bias") or "norm" in name or name in for_muon)]
 no_decay = [p for name, p in model.named_parameters() if name.endswith("bias") or "norm" in name]
 groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0},
-          {"params": list(matrices.values()), "weight_decay": args.weight_decay, "muon": True}]
+          {"params": list(for_muon.values()), "weight_decay": args.weight_decay, "muon": True}]
 optimizer = MuonWithAdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
 
 

@@ -1,7 +1,7 @@
-"""Does every strategy train exactly as DDP does? Each pretraining script and its variants, from one seed on one data
-order with the same global batch (tiny preset, fp32, CPU, gloo, buckets 32, 64 and 128 shortest first), against DDP
-step by step: one table, parity.json and parity.png (the loss curves overlaid; the differences on a log axis beside
-them).
+"""Does every strategy train exactly as DDP does (or, where no other script trains alike, as itself on one
+process)? Each pretraining script and its variants, from one seed on one data order with the same global batch (tiny
+preset, fp32, CPU, gloo, buckets 32, 64 and 128 shortest first), against that reference ("ref" in the columns) step
+by step: one table, parity.json and parity.png (the loss curves overlaid; the differences on a log axis beside them).
 
     python parity.py                                    # every row at world 2 and 4, the 3D script's at 8 too
     python parity.py --scripts my_fork.py --world 2     # did my change keep training exact? (any script taking the
@@ -54,7 +54,7 @@ ROWS = {
 # Rows whose reference is their own script on one process, not DDP (training that no other script's matches), and how
 # that process takes a step's batches: as micro-batches (--grad-accum), or as one batch (--tokens-per-batch).
 AGAINST_ITSELF = {"muon": "micro-batches", "ep 2": "one-batch", "ep 4": "one-batch"}
-COMPARED = ["max |loss - DDP|", "max |grad norm - DDP|", "max |val loss - DDP|"]  # each within --tolerance
+COMPARED = ["max |loss - ref|", "max |grad norm - ref|", "max |val loss - ref|"]  # each within --tolerance
 COLUMNS = [*COMPARED, "val loss", "buckets", "seconds"]
 BUCKETS = "32,64,128"  # few, so that the last one comes early: every world size trains each of them
 
@@ -190,7 +190,7 @@ def compare(out_dir, reference_dir, steps=None):
     """{column: value} of a run against its reference (DDP's, or its own) over STEPS (default: every step the reference
     logged): the largest loss, grad norm and validation loss differences (relative where the reference's value is
     above 1; a step the run did not log, or logged in another bucket, counts as infinite), its last validation loss,
-    and the buckets its steps and the reference's trained ("DDP buckets")."""
+    and the buckets its steps and the reference's trained ("ref buckets")."""
     (train, val), (reference, reference_val) = read_steps(out_dir), read_steps(reference_dir)
     steps = list(steps or reference)
 
@@ -199,21 +199,21 @@ def compare(out_dir, reference_dir, steps=None):
                        if s in train and train[s]["bucket_len"] == reference[s]["bucket_len"] else math.inf
                        for s in steps)
 
-    return {"max |loss - DDP|": differences("loss"), "max |grad norm - DDP|": differences("grad_norm"),
-            "max |val loss - DDP|": largest(difference(val[s], reference_val[s]) if s in val else math.inf
+    return {"max |loss - ref|": differences("loss"), "max |grad norm - ref|": differences("grad_norm"),
+            "max |val loss - ref|": largest(difference(val[s], reference_val[s]) if s in val else math.inf
                                             for s in reference_val if s <= max(steps)),
             "val loss": val[max(val)] if val else None, "buckets": len({row["bucket_len"] for row in train.values()}),
-            "DDP buckets": len({reference[s]["bucket_len"] for s in steps})}
+            "ref buckets": len({reference[s]["bucket_len"] for s in steps})}
 
 
 def failed_checks(row, warmup_steps, tolerance, flag="--tolerance"):
     """What fails a compared row: a difference over the tolerance or not a number (a step in another bucket than
-    DDP's counts as infinite), a reference that trained fewer than BUCKETS' buckets, or no step past the warmup (where
-    the learning rate is small, so is any difference)."""
+    the reference's counts as infinite), a reference that trained fewer than BUCKETS' buckets, or no step past the
+    warmup (where the learning rate is small, so is any difference)."""
     failed = [f"{column} is {row[column]:.1e}" for column in COMPARED if not row[column] <= tolerance]  # NaN too
     failed = [f"{', '.join(failed)}, over {flag} {tolerance:g}"] if failed else []
-    if row["DDP buckets"] < len(BUCKETS.split(",")) or row["steps"] <= warmup_steps:
-        failed.append(f"{row['steps']} steps train {row['DDP buckets']} of the {len(BUCKETS.split(','))} buckets, "
+    if row["ref buckets"] < len(BUCKETS.split(",")) or row["steps"] <= warmup_steps:
+        failed.append(f"{row['steps']} steps train {row['ref buckets']} of the {len(BUCKETS.split(','))} buckets, "
                       f"the warmup {warmup_steps}: raise --steps")
     return failed
 
@@ -231,7 +231,8 @@ def table(rows):
 
 
 def draw(rows, out_dir, path):
-    """The loss curves of DDP and every row, one colour per row; beside them each row's |loss - DDP| per step."""
+    """The loss curves of each reference and every row, one colour per row; beside them each row's |loss - ref| per
+    step."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -252,8 +253,8 @@ def draw(rows, out_dir, path):
         curves.plot(list(steps), [r["loss"] for r in steps.values()], color=colour, linewidth=1, label=label)
         gap = [max(difference(steps[s]["loss"], reference[s]["loss"]), 1e-12) for s in steps if s in reference]
         gaps.plot([s for s in steps if s in reference], gap, color=colour, marker=".", label=label)
-    curves.set(xlabel="step", ylabel="training loss", title="loss: every row over DDP")
-    gaps.set(xlabel="step", ylabel="|loss - DDP| (floored at 1e-12)", yscale="log", title="difference from DDP")
+    curves.set(xlabel="step", ylabel="training loss", title="loss: every row over its reference")
+    gaps.set(xlabel="step", ylabel="|loss - ref| (floored at 1e-12)", yscale="log", title="difference from the ref")
     gaps.legend(fontsize=7, ncol=2)
     figure.tight_layout()
     figure.savefig(path, dpi=110)

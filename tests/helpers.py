@@ -248,7 +248,7 @@ def assert_same_steps(run, reference, steps, loss_tolerance, grad_norm_tolerance
     import parity
 
     found = parity.compare(run, reference, steps)
-    loss, grad_norm = found["max |loss - DDP|"], found["max |grad norm - DDP|"]
+    loss, grad_norm = found["max |loss - ref|"], found["max |grad norm - ref|"]
     print(f"largest differences: loss {loss:.1e}, grad norm {grad_norm:.1e}")
     assert loss <= loss_tolerance and grad_norm <= grad_norm_tolerance, found
     return read_metrics(reference)[0]

@@ -28,7 +28,7 @@ DIFFS = {
         {"preamble": 15, "setup": 17, "data": 2, "distributed": 5, "model": 28, "wrap": 4, "pipeline": 20,
          "training step": 32, "checkpoint": 28, "resume": 2, "evaluation": 8, "training loop": 4},
     ("fsdp2_pretrain.py", "fsdp2_muon_pretrain.py"):  # Muon for the layers' matrices, over FSDP2's shards; its resume
-        {"preamble": 15, "setup": 8, "optimizer": 71, "resume": 3},
+        {"preamble": 15, "setup": 8, "optimizer": 74, "resume": 3},
     ("fsdp2_pretrain.py", "fsdp2_ep_pretrain.py"):  # the experts dealt over ep, the all-to-all, the balance loss
         {"preamble": 28, "setup": 12, "distributed": 5, "model": 7, "expert parallel": 51, "wrap": 8,
          "training step": 34, "training loop": 14},

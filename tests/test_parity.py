@@ -39,7 +39,7 @@ def test_every_strategy_trains_as_ddp_does(row, tiny_run):
     reference = tiny_run(reference_script, *reference_flags, nproc=reference_nproc)[0]
     found = parity.compare(run, reference)
     print(found)
-    assert found["max |loss - DDP|"] <= 1e-5 and found["max |grad norm - DDP|"] <= 1e-5, found
+    assert found["max |loss - ref|"] <= 1e-5 and found["max |grad norm - ref|"] <= 1e-5, found
     (train, val), (reference_train, reference_val) = parity.read_steps(run), parity.read_steps(reference)
     assert sorted(train) == sorted(reference_train) == list(range(1, 21))
     assert len({step["bucket_len"] for step in train.values()}) >= 3
@@ -68,7 +68,7 @@ def test_the_exact_fork_passes_and_the_broken_one_fails_in_one_line_naming_its_r
     assert result.returncode == 1, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith("error: broken_fork.py at world 2: ")
-    assert "max |grad norm - DDP| is" in errors[0] and errors[0].endswith("over --tolerance 1e-05")
+    assert "max |grad norm - ref| is" in errors[0] and errors[0].endswith("over --tolerance 1e-05")
 
 
 def test_the_table_json_and_plot_hold_every_row(parity_of_two_forks):
@@ -76,13 +76,13 @@ def test_the_table_json_and_plot_hold_every_row(parity_of_two_forks):
     report = json.loads((out / "parity.json").read_text())
     rows = {row["row"]: row for row in report["rows"]}
     assert report["tolerance"] == 1e-5 and report["steps"] == 6 and set(rows) == {"my_fork.py", "broken_fork.py"}
-    assert rows["my_fork.py"]["max |loss - DDP|"] <= 1e-5 and rows["my_fork.py"]["max |grad norm - DDP|"] <= 1e-5
-    assert rows["broken_fork.py"]["max |grad norm - DDP|"] > 1e-3
+    assert rows["my_fork.py"]["max |loss - ref|"] <= 1e-5 and rows["my_fork.py"]["max |grad norm - ref|"] <= 1e-5
+    assert rows["broken_fork.py"]["max |grad norm - ref|"] > 1e-3
     assert rows["my_fork.py"]["reference"] == rows["broken_fork.py"]["reference"] == "ddp_pretrain-2-batches-6-steps"
     lines = result.stdout.splitlines()
     assert lines[0].split()[:2] == ["row", "world"]
     fork_line = next(line for line in lines if line.startswith("my_fork.py"))
-    assert f"{rows['my_fork.py']['max |loss - DDP|']:.2e}" in fork_line
+    assert f"{rows['my_fork.py']['max |loss - ref|']:.2e}" in fork_line
     assert (out / "parity.png").stat().st_size > 10_000
 
 
@@ -126,9 +126,9 @@ def test_a_nan_too_few_buckets_or_steps_inside_the_warmup_fail_a_row(tmp_path):
             json.dumps({"step": step, "loss": loss, "grad_norm": 1.0, "bucket_len": 32 * step}) + "\n"
             for step, loss in enumerate(losses, 1)) + json.dumps({"step": 3, "val_loss": 3.0}) + "\n")
     row = {**parity.compare(tmp_path / "run", tmp_path / "ddp"), "steps": 3}
-    assert math.isnan(row["max |loss - DDP|"]) and row["max |grad norm - DDP|"] == row["max |val loss - DDP|"] == 0
-    assert parity.failed_checks(row, 2, 1e-5) == ["max |loss - DDP| is nan, over --tolerance 1e-05"]
-    assert parity.failed_checks({**row, "max |loss - DDP|": 0.0}, 2, 1e-5) == []
-    assert parity.failed_checks({**row, "max |loss - DDP|": 0.0, "DDP buckets": 2}, 2, 1e-5) == [
+    assert math.isnan(row["max |loss - ref|"]) and row["max |grad norm - ref|"] == row["max |val loss - ref|"] == 0
+    assert parity.failed_checks(row, 2, 1e-5) == ["max |loss - ref| is nan, over --tolerance 1e-05"]
+    assert parity.failed_checks({**row, "max |loss - ref|": 0.0}, 2, 1e-5) == []
+    assert parity.failed_checks({**row, "max |loss - ref|": 0.0, "ref buckets": 2}, 2, 1e-5) == [
         "3 steps train 2 of the 3 buckets, the warmup 2: raise --steps"]
-    assert parity.failed_checks({**row, "max |loss - DDP|": 0.0}, 3, 1e-5)[0].endswith("the warmup 3: raise --steps")
+    assert parity.failed_checks({**row, "max |loss - ref|": 0.0}, 3, 1e-5)[0].endswith("the warmup 3: raise --steps")

@@ -12,6 +12,7 @@ Python files, the data and the versions are the same; a failed run prints its st
 import argparse
 import hashlib
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -81,7 +82,15 @@ def finetune(method, lr):
 
 
 sweep = {(method, lr): finetune(method, lr) for method, (_, _, lrs) in methods.items() for lr in lrs}
-best = {method: min(lrs, key=lambda lr: sweep[method, lr][1][cli.steps]) for method, (_, _, lrs) in methods.items()}
+
+
+def final_loss(method, lr):
+    """A run's last validation loss on the conversations; NaN counts as infinite, so that min() never picks it."""
+    loss = sweep[method, lr][1][cli.steps]
+    return math.inf if math.isnan(loss) else loss
+
+
+best = {method: min(lrs, key=lambda lr: final_loss(method, lr)) for method, (_, _, lrs) in methods.items()}
 scores = {}
 for method, lr in best.items():
     folder = sweep[method, lr][0]

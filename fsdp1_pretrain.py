@@ -144,18 +144,18 @@ def train_step(batches, target_tokens):
 class AppState(Stateful):
     """Everything a resume needs, as ONE object: DCP calls state_dict() to save and load_state_dict() to load."""
 
-    def __init__(self, step=0, data_position=None):
-        self.step, self.data_position = step, data_position or {"epoch": 0, "index": 0}
+    def __init__(self, step=0, data_position=None, eval_owed=False):
+        self.step, self.data_position, self.eval_owed = step, data_position or {"epoch": 0, "index": 0}, eval_owed
 
     def state_dict(self):
         model_state, optimizer_state = get_state_dict(model, optimizer)  # sharded: each rank gives only its shards
         return {"model": model_state, "optimizer": optimizer_state, "step": self.step,
-                "data_position": self.data_position, "rng": torch.get_rng_state()}
+                "data_position": self.data_position, "eval_owed": self.eval_owed, "rng": torch.get_rng_state()}
 
     def load_state_dict(self, state):
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         torch.set_rng_state(state["rng"])  # one copy was saved: every rank seeds alike and there is no dropout
-        self.step, self.data_position = state["step"], state["data_position"]
+        self.step, self.data_position, self.eval_owed = state["step"], state["data_position"], state["eval_owed"]
 
 
 def save_checkpoint(step, data_position):
@@ -165,7 +165,7 @@ def save_checkpoint(step, data_position):
         shutil.rmtree(partial_dir, ignore_errors=True)
         partial_dir.mkdir(parents=True)
     dist.barrier()  # the folder exists before anyone writes into it
-    dcp.save({"app": AppState(step, data_position)}, checkpoint_id=partial_dir)
+    dcp.save({"app": AppState(step, data_position, eval_owed)}, checkpoint_id=partial_dir)
     if rank == 0:
         checkpoints.commit_checkpoint(partial_dir, args, SCRIPT, step, world_size, data_order, RESUMED_BY,
                                       train.chat_format)
@@ -176,13 +176,13 @@ def load_checkpoint(checkpoint_dir):
     """DCP reads into the state dict AppState hands it (shaped for THIS world size), then calls load_state_dict."""
     app_state = AppState()
     dcp.load({"app": app_state}, checkpoint_id=checkpoint_dir)
-    return app_state.step, app_state.data_position
+    return app_state.step, app_state.data_position, app_state.eval_owed
 
 
 # ---------------------------------------------------------------------------------------------- resume
-step, data_position = 0, {"epoch": 0, "index": 0}
+step, data_position, eval_owed = 0, {"epoch": 0, "index": 0}, False
 if resume_dir is not None:
-    step, data_position = load_checkpoint(resume_dir)
+    step, data_position, eval_owed = load_checkpoint(resume_dir)
     optimizer.param_groups[0]["weight_decay"] = args.weight_decay  # the load restored the checkpoint's: this run's wins
     if rank == 0:
         print(f"resumed from {resume_dir} at step {step}")
@@ -234,9 +234,9 @@ def log(row):
 peak_flops = metrics.device_peak_flops(device)
 schedule = make_schedule(train, data_position["epoch"], args.grad_accum, args.bucket_order)
 start_time, total_tokens, total_padded, run_peak_mem_gb, stop_votes = time.perf_counter(), 0, 0, 0.0, 0
-validation = evaluate() if step == 0 else {}
-if step == 0:
-    log({"step": 0, **validation})
+validation = evaluate() if step == 0 or eval_owed else {}  # a stopped run's skipped evaluation is made up
+if validation:
+    log({"step": step, **validation})
 model.train()
 while step < args.max_steps and not stop_votes:
     if data_position["index"] >= len(schedule):  # epoch done: the next one reshuffles, as a function of (seed, epoch)
@@ -278,7 +278,8 @@ while step < args.max_steps and not stop_votes:
              "batch_size": batch_size, "tokens_per_s": tokens / step_time,
              "mfu": mfu, "peak_mem_gb": step_peak_mem_gb, "peak_reserved_gb": step_peak_reserved_gb,
              "elapsed_s": time.perf_counter() - start_time})
-    if step == args.max_steps or (step % args.eval_every == 0 and not stop_votes):  # a stopped step saves at once
+    eval_owed = stop_votes > 0 and step % args.eval_every == 0 and step < args.max_steps  # saved, made up on resume
+    if step == args.max_steps or (step % args.eval_every == 0 and not eval_owed):  # a stopped step saves at once
         validation = evaluate()
         log({"step": step, **validation})
     if step % args.save_every == 0 or step == args.max_steps or stop_votes:

@@ -128,20 +128,20 @@ class MuonWithAdamW(torch.optim.AdamW):
     def step(self, closure=None):  # (the script passes no closure: AdamW's would run after Muon's update)
         group = next(group for group in self.param_groups if group.get("muon"))
         matrices = [p for p in group["params"] if p.grad is not None]
+        assert all(p.placements == (torch.distributed.tensor.Shard(0),) and p.device_mesh.size() == world_size
+                   for p in matrices), "rows over all ranks (FSDP2's Shard(0)): HSDP or TP need a step of their own"
         for p in matrices:  # one buffer per matrix (AdamW keeps two), a DTensor sharded as its matrix: DCP reshards it;
-            state = self.state[p]  # and a step count, which AdamW's loader expects in every parameter's state
-            if not state:
+            if not (state := self.state[p]):  # and a step count, which AdamW's loader expects in each parameter's state
                 state.update(momentum_buffer=torch.zeros_like(p), step=torch.zeros(()))
             state["step"] += 1
         shards, grads = [p.to_local() for p in matrices], [p.grad.to_local() for p in matrices]
         buffers = [self.state[p]["momentum_buffer"].to_local() for p in matrices]
         torch._foreach_lerp_(buffers, grads, 1 - self.momentum)  # element by element: each rank its own rows
         updates = torch._foreach_lerp(grads, buffers, self.momentum)  # Nesterov's: the gradient, momentum of the way
-        # Matrix i's owner is rank i % world, dealt round-robin (a layer's 7 kinds evenly unless world % 7 == 0).
-        # Each rank's rows of it, padded to FSDP2's chunk (ceil(rows / world)), are gathered to the owner; the owner
-        # orthogonalizes the whole and scatters each rank's rows back: per step, each rank sends and receives about
-        # 2/world of the matrices (at qwen2-0.5b's 358M matrix elements on 8 GPUs: 0.31 GB in fp32) and orthogonalizes
-        # 1/world of them (21 of 168). Every rank gathering every matrix would move 1.25 GB into each, repeat all 168.
+        # Matrix i's owner is rank i % world. Each rank's rows of it, padded to FSDP2's chunk (ceil(rows / world)), are
+        # gathered to the owner, which orthogonalizes the whole and scatters the rows back: a rank sends and receives
+        # 2/world of the matrices a step (qwen2-0.5b on 8 GPUs: 0.31 GB in fp32; all-gathering every matrix: 1.25 GB).
+        # Newton-Schulz's work on the busiest rank, at qwen2-0.5b's 168 matrices: the mean's to 8 ranks, 2.3x at 64.
         chunks = [math.ceil(p.shape[0] / world_size) for p in matrices]
         sent = [F.pad(update, (0, 0, 0, chunk - len(update))) for update, chunk in zip(updates, chunks)]
         gathered = [[torch.empty_like(x) for _ in range(world_size)] if i % world_size == rank else None
@@ -157,12 +157,10 @@ class MuonWithAdamW(torch.optim.AdamW):
         for work in [dist.scatter(x, pieces, src=i % world_size, async_op=True) for i, (x, pieces) in
                      enumerate(zip(received, orthogonal))]:
             work.wait()
-        # As torch.optim.Muon with adjust_lr_fn="match_rms_adamw": decay at --lr, the step at rms_scale x sqrt(longer
-        # side) x --lr, AdamW's typical update RMS; the best rate can still differ (small: 3.3x AdamW's, BENCHMARKS.md).
+        # As torch.optim.Muon's adjust_lr_fn="match_rms_adamw": decay at --lr, a step rms_scale x sqrt(max(shape)) x lr
         torch._foreach_mul_(shards, 1 - group["lr"] * group["weight_decay"])
         for shard, x, p in zip(shards, received, matrices):
             shard.add_(x[:len(shard)], alpha=-group["lr"] * self.rms_scale * math.sqrt(max(p.shape)))
-        for p in matrices:
             p.grad = None  # AdamW, below, leaves a parameter without a gradient alone
         return super().step(closure)
 
@@ -210,8 +208,8 @@ def save_checkpoint(step, data_position):
     if rank == 0:
         shutil.rmtree(partial_dir, ignore_errors=True)
         partial_dir.mkdir(parents=True)
-        torch.save({"step": step, "data_position": data_position, "rng": torch.get_rng_state()},
-                   partial_dir / "train_state.pt")  # one copy: ranks seed alike
+        torch.save({"step": step, "data_position": data_position, "rng": torch.get_rng_state(),
+                    "eval_owed": eval_owed}, partial_dir / "train_state.pt")  # one copy: ranks seed alike
     dist.barrier()  # the folder exists before anyone writes into it
     dcp.save(get_model_state_dict(model), checkpoint_id=partial_dir / "model")  # DTensor shards, named as in the model
     dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=partial_dir / "optimizer")  # keyed by name too
@@ -230,13 +228,13 @@ def load_checkpoint(checkpoint_dir):
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
     train_state = torch.load(checkpoint_dir / "train_state.pt", map_location="cpu", weights_only=True)
     torch.set_rng_state(train_state["rng"])
-    return train_state["step"], train_state["data_position"]
+    return train_state["step"], train_state["data_position"], train_state["eval_owed"]
 
 
 # ---------------------------------------------------------------------------------------------- resume
-step, data_position = 0, {"epoch": 0, "index": 0}
+step, data_position, eval_owed = 0, {"epoch": 0, "index": 0}, False
 if resume_dir is not None:
-    step, data_position = load_checkpoint(resume_dir)
+    step, data_position, eval_owed = load_checkpoint(resume_dir)
     for group in optimizer.param_groups[0], optimizer.param_groups[2]:  # the load restored the checkpoint's
         group["weight_decay"] = args.weight_decay  # this run's wins
     if rank == 0:
@@ -289,9 +287,9 @@ def log(row):
 peak_flops = metrics.device_peak_flops(device)
 schedule = make_schedule(train, data_position["epoch"], args.grad_accum, args.bucket_order)
 start_time, total_tokens, total_padded, run_peak_mem_gb, stop_votes = time.perf_counter(), 0, 0, 0.0, 0
-validation = evaluate() if step == 0 else {}
-if step == 0:
-    log({"step": 0, **validation})
+validation = evaluate() if step == 0 or eval_owed else {}  # a stopped run's skipped evaluation is made up
+if validation:
+    log({"step": step, **validation})
 model.train()
 while step < args.max_steps and not stop_votes:
     if data_position["index"] >= len(schedule):  # epoch done: the next one reshuffles, as a function of (seed, epoch)
@@ -333,7 +331,8 @@ while step < args.max_steps and not stop_votes:
              "batch_size": batch_size, "tokens_per_s": tokens / step_time,
              "mfu": mfu, "peak_mem_gb": step_peak_mem_gb, "peak_reserved_gb": step_peak_reserved_gb,
              "elapsed_s": time.perf_counter() - start_time})
-    if step == args.max_steps or (step % args.eval_every == 0 and not stop_votes):  # a stopped step saves at once
+    eval_owed = stop_votes > 0 and step % args.eval_every == 0 and step < args.max_steps  # saved, made up on resume
+    if step == args.max_steps or (step % args.eval_every == 0 and not eval_owed):  # a stopped step saves at once
         validation = evaluate()
         log({"step": step, **validation})
     if step % args.save_every == 0 or step == args.max_steps or stop_votes:

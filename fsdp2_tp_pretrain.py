@@ -178,8 +178,8 @@ def save_checkpoint(step, data_position):
     if rank == 0:
         shutil.rmtree(partial_dir, ignore_errors=True)
         partial_dir.mkdir(parents=True)
-        torch.save({"step": step, "data_position": data_position, "rng": torch.get_rng_state()},
-                   partial_dir / "train_state.pt")  # one copy: ranks seed alike
+        torch.save({"step": step, "data_position": data_position, "rng": torch.get_rng_state(),
+                    "eval_owed": eval_owed}, partial_dir / "train_state.pt")  # one copy: ranks seed alike
     dist.barrier()  # the folder exists before anyone writes into it
     dcp.save(get_model_state_dict(model), checkpoint_id=partial_dir / "model")  # DTensor shards, named as in the model
     dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=partial_dir / "optimizer")  # keyed by name too
@@ -198,13 +198,13 @@ def load_checkpoint(checkpoint_dir):
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
     train_state = torch.load(checkpoint_dir / "train_state.pt", map_location="cpu", weights_only=True)
     torch.set_rng_state(train_state["rng"])
-    return train_state["step"], train_state["data_position"]
+    return train_state["step"], train_state["data_position"], train_state["eval_owed"]
 
 
 # ---------------------------------------------------------------------------------------------- resume
-step, data_position = 0, {"epoch": 0, "index": 0}
+step, data_position, eval_owed = 0, {"epoch": 0, "index": 0}, False
 if resume_dir is not None:
-    step, data_position = load_checkpoint(resume_dir)
+    step, data_position, eval_owed = load_checkpoint(resume_dir)
     optimizer.param_groups[0]["weight_decay"] = args.weight_decay  # the load restored the checkpoint's: this run's wins
     if rank == 0:
         print(f"resumed from {resume_dir} at step {step}")
@@ -256,9 +256,9 @@ def log(row):
 peak_flops = metrics.device_peak_flops(device)
 schedule = make_schedule(train, data_position["epoch"], args.grad_accum, args.bucket_order)
 start_time, total_tokens, total_padded, run_peak_mem_gb, stop_votes = time.perf_counter(), 0, 0, 0.0, 0
-validation = evaluate() if step == 0 else {}
-if step == 0:
-    log({"step": 0, **validation})
+validation = evaluate() if step == 0 or eval_owed else {}  # a stopped run's skipped evaluation is made up
+if validation:
+    log({"step": step, **validation})
 model.train()
 while step < args.max_steps and not stop_votes:
     if data_position["index"] >= len(schedule):  # epoch done: the next one reshuffles, as a function of (seed, epoch)
@@ -301,7 +301,8 @@ while step < args.max_steps and not stop_votes:
              "batch_size": batch_size, "tokens_per_s": tokens / step_time,
              "mfu": mfu, "peak_mem_gb": step_peak_mem_gb, "peak_reserved_gb": step_peak_reserved_gb,
              "elapsed_s": time.perf_counter() - start_time})
-    if step == args.max_steps or (step % args.eval_every == 0 and not stop_votes):  # a stopped step saves at once
+    eval_owed = stop_votes > 0 and step % args.eval_every == 0 and step < args.max_steps  # saved, made up on resume
+    if step == args.max_steps or (step % args.eval_every == 0 and not eval_owed):  # a stopped step saves at once
         validation = evaluate()
         log({"step": step, **validation})
     if step % args.save_every == 0 or step == args.max_steps or stop_votes:

@@ -71,10 +71,11 @@ def crashed(tmp_path_factory, tiny_run):
             stamp = out.parent / "killed_at"
             target = "launcher" if "launcher" in case else "rank"
             crash_signal = case.split()[-1] if "SIG" in case else "SIGKILL"  # a case named after a signal sends it
-            result = run_script("tests/crash.py", script, *flags_of(script, tiny_run), "--out-dir", out, "--resume",
-                                nproc=2, torchrun=True, env={"CRASH_AT": moment, "CRASH_RANK": str(victim),
-                                                             "CRASH_STAMP": str(stamp), "CRASH_TARGET": target,
-                                                             "CRASH_SIGNAL": crash_signal})
+            every_step = ["--eval-every", 1] if "SIGTERM" in case else []  # the stopped step is an evaluation step
+            result = run_script("tests/crash.py", script, *flags_of(script, tiny_run), *every_step, "--out-dir", out,
+                                "--resume", nproc=2, torchrun=True,
+                                env={"CRASH_AT": moment, "CRASH_RANK": str(victim), "CRASH_STAMP": str(stamp),
+                                     "CRASH_TARGET": target, "CRASH_SIGNAL": crash_signal})
             assert stamp.exists(), f"no rank was killed\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
             runs[case] = (out, result, time.time() - float(stamp.read_text()), before)
         return runs[case]
@@ -130,6 +131,9 @@ def test_resume_after_a_crash_trains_the_same_steps_as_the_uninterrupted_run(cas
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [row["step"] for row in rows if "loss" in row]
     assert steps == list(range(11, 21))  # the crashed run's rows after step 10 were dropped, each step logged once
+    evaluated = [row["step"] for row in rows if "val_loss" in row]
+    if "SIGTERM" in case:  # its step saved at once, unevaluated: the resumed run evaluates it first, so none is missing
+        assert evaluated == [*range(11, resumed_at + 1), 20]  # (the crashed run evaluated every step from step_10)
     uninterrupted, _ = read_metrics(tiny_run(script)[0])
     resumed, _ = read_metrics(out)
     for step in range(11, 21):

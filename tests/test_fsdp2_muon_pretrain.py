@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from helpers import TINY_RUN, assert_same_steps, check, copy_checkpoint, read_metrics, run_script
+from helpers import REPO, TINY_RUN, assert_same_steps, check, copy_checkpoint, read_metrics, run_script
 
 SCRIPT = "fsdp2_muon_pretrain.py"
 
@@ -36,6 +36,20 @@ def test_the_muon_step_is_torch_optim_muons_on_one_process(tmp_path, monkeypatch
             assert not torch.equal(after, before)
             torch.testing.assert_close(matrix.data, after, rtol=0, atol=1e-6)
             matrix.data.copy_(after)
+
+
+def test_a_fork_onto_hsdp_stops_at_the_muon_step_instead_of_updating_wrongly(tmp_path):
+    """The step deals each matrix's rows over all ranks, as FSDP2 shards them: a fork that shards the model as HSDP
+    (a 2-D mesh, replicated over one rank and sharded over one) stops at its first step, in one assertion; without it,
+    the step would run on."""
+    source = (REPO / SCRIPT).read_text()
+    assert source.count("mp_policy=mixed_precision") == 2  # the layers' and the root's
+    mesh = "torch.distributed.device_mesh.init_device_mesh('cpu', (1, 1), mesh_dim_names=('replicate', 'shard'))"
+    fork = source.replace("mp_policy=mixed_precision", f"mesh={mesh}, mp_policy=mixed_precision")
+    (tmp_path / "muon_on_hsdp.py").write_text(fork)
+    result = run_script(tmp_path / "muon_on_hsdp.py", *TINY_RUN, "--max-steps", 1, "--out-dir", tmp_path / "run",
+                        env={"PYTHONPATH": str(REPO)})  # our modules, where the fork is not forked by the zygote
+    assert result.returncode != 0 and "AssertionError: rows over all ranks (FSDP2's Shard(0))" in result.stderr
 
 
 @pytest.fixture(scope="module")

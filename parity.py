@@ -3,7 +3,7 @@ process)? Each pretraining script and its variants, from one seed on one data or
 preset, fp32, CPU, gloo, buckets 32, 64 and 128 shortest first), against that reference ("ref" in the columns) step
 by step: one table, parity.json and parity.png (the loss curves overlaid; the differences on a log axis beside them).
 
-    python parity.py                                    # every row at world 2 and 4, the 3D script's at 8 too
+    python parity.py                                    # every row at world 2 and 4, Muon's at 3, the 3D script's at 8
     python parity.py --scripts my_fork.py --world 2     # did my change keep training exact? (any script taking the
                                                         # common flags)
     python parity.py --scripts my_ep_fork.py --model tiny-moe --against-itself one-batch   # a fork of the MoE script
@@ -11,13 +11,13 @@ by step: one table, parity.json and parity.png (the loss curves overlaid; the di
 A row runs its script on `world` ranks with --grad-accum making up the ranks that read the same samples (tp, cp, pp),
 so each step takes world batches, as DDP's reference of that world does (DDP on 2 processes, --grad-accum world / 2,
 made once per world). An AGAINST_ITSELF row's reference is its own script on one process, taking a step's batches as
-micro-batches (Muon) or as one batch (the MoE script, whose balance loss is over each micro-batch of all ranks). A row
-of world W runs --steps x 2 / W steps, the samples of --steps at world 2. Exit status 1 when a row's loss, gradient
-norm or validation loss differs from its reference's by more than --tolerance (a one-batch reference's:
---one-batch-tolerance; relative above 1) or is not a number at some step, when it trains fewer buckets than DDP or no
-step past the warmup, or a run fails: one line per such row, naming it and the columns. A finished run is reused while
-its command, its code (the script and every module it imports), its data, Python's and the libraries' versions and the
-device are the same.
+micro-batches (Muon, at world 3 too: rows that split unevenly) or as one batch (the MoE script, whose balance loss is
+over each micro-batch of all ranks); only such a row takes an odd world. A row of world W runs --steps x 2 / W steps,
+the samples of --steps at world 2. Exit status 1 when a row's loss, gradient norm or validation loss differs from its
+reference's by more than --tolerance (a one-batch reference's: --one-batch-tolerance; relative above 1) or is not a
+number at some step, when it trains fewer buckets than DDP or no step past the warmup, or a run fails: one line per
+such row, naming it and the columns. A finished run is reused while its command, its code (the script and every module
+it imports), its data, Python's and the libraries' versions and the device are the same.
 """
 import ast
 import hashlib
@@ -47,7 +47,7 @@ ROWS = {
     "3d replicate 2": ("fsdp2_3d_pretrain.py", ["--dp-replicate", "2"], 1, (2, 4)),
     "3d cp 2 x tp 2": ("fsdp2_3d_pretrain.py", ["--cp", "2", "--tp", "2"], 4, (4,)),
     "3d 2 x 2 x 2": ("fsdp2_3d_pretrain.py", ["--dp-replicate", "2", "--cp", "2", "--tp", "2"], 4, (8,)),
-    "muon": ("fsdp2_muon_pretrain.py", [], 1, (2, 4)),  # another optimizer: against its own world 1 (AGAINST_ITSELF)
+    "muon": ("fsdp2_muon_pretrain.py", [], 1, (2, 3, 4)),  # against its own world 1 (AGAINST_ITSELF): 3, uneven rows
     "ep 2": ("fsdp2_ep_pretrain.py", ["--model", "tiny-moe", "--ep", "2"], 1, (2, 4)),  # a Mixture of Experts, too
     "ep 4": ("fsdp2_ep_pretrain.py", ["--model", "tiny-moe", "--ep", "4"], 1, (4,)),
 }
@@ -64,7 +64,8 @@ def parse_args(argv=None):
     parser.add_argument("--scripts", nargs="+", default=None, help="instead of the rows above: these scripts, each "
                         "as one row with no flags of its own (a fork of a pretraining script)")
     parser.add_argument("--world", type=common.COUNT, nargs="+", default=None, help="the world sizes to run (default: "
-                        "each row's own; with --scripts, 2), each even, or 1 with --scripts")
+                        "each row's own; with --scripts, 2), each even, or any against a script's own world 1 (a row "
+                        "that lists it, --scripts with --against-itself; 1 with --scripts)")
     parser.add_argument("--steps", type=common.COUNT, default=24, help="steps at world 2 (world W: x 2 / W): the "
                         "buckets come shortest first, and on the built-in data every world size reaches the last and "
                         "trains beyond the warmup (5 steps)")
@@ -85,9 +86,13 @@ def parse_args(argv=None):
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: the runs on this machine's "
                         "GPUs, a rank each (NCCL)")
     args = parser.parse_args(argv)
-    if any(world % 2 and not (world == 1 and args.scripts) for world in args.world or []):
+    against_itself = ({1, *(args.world if args.against_itself else [])} if args.scripts else
+                      {world for name in AGAINST_ITSELF for world in ROWS[name][3]})  # odd worlds they may take
+    if any(world % 2 and world not in against_itself for world in args.world or []):
         raise common.UsageError(f"--world {' '.join(map(str, args.world))}: every world size must be even (DDP's "
-                                f"reference runs on 2 processes), or 1 for --scripts: change --world")
+                                f"reference runs on 2 processes), or odd where the rows are against their own world 1 "
+                                f"({', '.join(str(w) for w in sorted(against_itself) if w % 2)}; --scripts with "
+                                f"--against-itself: any): change --world")
     for script in args.scripts or []:
         if not Path(script).is_file():
             raise common.UsageError(f"--scripts {script}: no such file: pass a script's path")
@@ -108,7 +113,7 @@ def planned_rows(args):
     rows = []
     for world in sorted({w for *_, worlds in ROWS.values() for w in worlds} if args.world is None else args.world):
         rows += [(name, script, flags, divisor, world) for name, (script, flags, divisor, worlds) in ROWS.items()
-                 if (world in worlds if args.world is None else world % divisor == 0)]
+                 if (world in worlds if args.world is None or world % 2 else world % divisor == 0)]
     return rows
 
 

@@ -1,7 +1,8 @@
-"""fsdp2_muon_pretrain.py on CPU with gloo: on one process its Muon step is torch.optim.Muon's; at 2 and 4 ranks it
-trains as on one process within 1e-5 (2 ranks: test_parity.py's row against its own world 1); killed at 4 ranks, it
-resumes on 2 with its momentum resharded, within 1e-5; it holds one buffer per matrix where AdamW holds two. Its
-checkpoints start the SFT (test_fsdp2_sft.py) and export (test_export_hf.py) as the other FSDP2 scripts' do."""
+"""fsdp2_muon_pretrain.py on CPU with gloo: on one process its Muon step is torch.optim.Muon's; at 3 and 4 ranks it
+trains as on one process within 1e-5 (3 ranks, every matrix split unevenly: test_parity.py's row against its own world
+1); killed at 4 ranks, it resumes on 2 with its momentum resharded, within 1e-5; a fork onto HSDP stops at the step's
+assertion; it holds one buffer per matrix where AdamW holds two. Its checkpoints start the SFT (test_fsdp2_sft.py) and
+export (test_export_hf.py) as the other FSDP2 scripts' do."""
 import shutil
 
 import pytest

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import common
 import parity
 from helpers import REPO, TINY_DATA, run_parity
 
@@ -25,8 +26,9 @@ ROWS = {
     "cp 2": (("fsdp2_cp_pretrain.py", [], 2), DDP_ONE_PROCESS),
     "pp 2, 1F1B": (("pp_pretrain.py", [], 2), DDP_ONE_PROCESS),
     "pp 2 x dp 2, GPipe": (("pp_pretrain.py", ["--pp", 2, "--pp-schedule", "gpipe", "--grad-accum", 1], 4), DDP),
-    # Muon's own training, against itself on one process (parity.py's AGAINST_ITSELF row).
-    "muon, its world 1": (("fsdp2_muon_pretrain.py", [], 2), ("fsdp2_muon_pretrain.py", ["--grad-accum", 2], 1)),
+    # Muon's own training, against itself on one process (parity.py's AGAINST_ITSELF row); on 3 ranks every matrix's
+    # rows split unevenly (tiny's 64, 32 and 256: the last shard short), padded for the gather and the scatter.
+    "muon 3, its world 1": (("fsdp2_muon_pretrain.py", [], 3), ("fsdp2_muon_pretrain.py", ["--grad-accum", 3], 1)),
 }
 
 
@@ -84,6 +86,18 @@ def test_the_table_json_and_plot_hold_every_row(parity_of_two_forks):
     fork_line = next(line for line in lines if line.startswith("my_fork.py"))
     assert f"{rows['my_fork.py']['max |loss - ref|']:.2e}" in fork_line
     assert (out / "parity.png").stat().st_size > 10_000
+
+
+def test_an_odd_world_runs_only_the_rows_against_their_own_world_1():
+    """DDP's reference runs on 2 processes: an odd --world plans only the rows that list it (Muon's 3), or the scripts
+    passed --against-itself; another is one line naming --world."""
+    assert [(row[0], row[4]) for row in parity.planned_rows(parity.parse_args(["--world", "3"]))] == [("muon", 3)]
+    fork = ["--scripts", str(REPO / "fsdp2_muon_pretrain.py"), "--world", "3"]
+    against_itself = parity.parse_args([*fork, "--against-itself", "micro-batches"])
+    assert [row[4] for row in parity.planned_rows(against_itself)] == [3]
+    for argv in (["--world", "5"], fork):
+        with pytest.raises(common.UsageError, match="^--world .*: every world size must be even .*change --world$"):
+            parity.parse_args(argv)
 
 
 def test_a_run_is_reused_only_while_its_code_data_libraries_and_device_are_the_same(tmp_path, monkeypatch):

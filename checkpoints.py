@@ -6,8 +6,10 @@ import json
 import os
 import shutil
 import sys
+import traceback
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -62,18 +64,21 @@ def commit_checkpoint(partial_dir, args, script, step, world_size, data_order, r
 @contextlib.contextmanager
 def report_failure(out_dir, step):
     """Around save_checkpoint(step, ...): a save the filesystem refuses is one line. Its partial folder is never
-    committed, so every complete checkpoint stays whole; the free space says whether the disk is full."""
+    committed, so every complete checkpoint stays whole; the free space, or the folder's mode, says what refused it."""
     try:
         yield
     except (OSError, RuntimeError, CheckpointException) as error:  # DCP's: every rank's failures, on every rank
-        causes = [cause for cause, _ in error.failures.values()] if isinstance(error, CheckpointException) else [error]
-        if not (refused := [e for e in causes if isinstance(e, OSError) or "inline_container.cc" in str(e)]):
-            raise  # no rank's filesystem refused it (torch.save's says inline_container.cc): a dead peer, a bug, ...
-        free = shutil.disk_usage(out_dir).free / 1e9 if os.path.isdir(out_dir) else 0.0  # (a folder removed)
-        print(file=sys.__stderr__)  # end the progress bar's line
+        causes = (error.failures.values() if isinstance(error, CheckpointException)  # (failure, its stack) a rank
+                  else [(error, traceback.extract_tb(error.__traceback__))])
+        if not (refused := [e for e, stack in causes if isinstance(e, OSError)  # or anything inside torch.save's write,
+                            or torch.serialization.__file__ in {frame.filename for frame in stack}]):  # at any byte
+            raise  # not the filesystem's refusal: a dead peer, a bug, ...
+        free = shutil.disk_usage(out_dir).free / 1e9 if os.access(out_dir, os.W_OK) else None  # None: not writable
+        with contextlib.suppress(OSError):  # stderr may be a file on the disk that is full
+            print(file=sys.__stderr__)  # end the progress bar's line
         raise SaveFailed(f"--out-dir {out_dir}: saving step {step} failed ({type(refused[0]).__name__}: {refused[0]}; "
-                         f"{free:.1f} GB free): every complete checkpoint is whole; free space or fix the "
-                         f"folder, then run the same command with --resume auto")
+                         f"{'the folder is not writable' if free is None else f'{free:.1f} GB free'}): every "
+                         f"complete checkpoint is whole; free space or fix the folder, then rerun with --resume auto")
 
 
 def remove_incomplete_checkpoints(checkpoint_root):

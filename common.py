@@ -5,6 +5,7 @@ in the scripts, so that `diff` between them is the lesson."""
 import argparse
 import ctypes
 import datetime
+import errno
 import functools
 import json
 import math
@@ -12,6 +13,7 @@ import os
 import signal
 import sys
 import textwrap
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -60,24 +62,52 @@ def report_once(line, stream):
     print(line, file=stream, flush=True)
 
 
+class WriteRefused(ReportedError):
+    """A write the filesystem refused outside a checkpoint's save (config.json, metrics.jsonl). Exit status 8, as
+    checkpoints.SaveFailed's."""
+    exit_status = 8
+
+
+REFUSED = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)  # no space, a quota, a file-size limit, read-only
+
+
 def _report_error(exc_type, exc, tb, _default_hook=sys.excepthook):
     # On the real stderr (torch.distributed's own hook would prefix "[rank0]:"); every rank exits with its kind's
     # status. os._exit: an exception's exit would be 1 whatever the kind, and gloo's threads can abort a shutdown.
+    if issubclass(exc_type, OSError) and exc.errno in REFUSED:
+        exc_type, exc = WriteRefused, WriteRefused(f"a write failed ({error_reason(exc)}): the filesystem refused it; "
+                                                   f"free space or fix the folder (--out-dir's, for the run's files), "
+                                                   f"then rerun with --resume auto")
     if not issubclass(exc_type, ReportedError):
         return _default_hook(exc_type, exc, tb)
     try:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun stops this rank with it, once rank 0 has reported
+        if threading.current_thread() is threading.main_thread():  # (only there can a handler be set)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun stops this rank with it, once rank 0 has reported
         sys.stdout.flush()
+        if exc_type is WriteRefused:
+            print(file=sys.__stderr__)  # mid-run, as a rule: end the progress bar's line
         report_once(f"error: {exc}", sys.__stderr__)
         if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's report ends with this file's line, where one looks
             line, now = f"error: {exc}", str(int(time.time()))
             record = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": now}}}
-            Path(os.environ["TORCHELASTIC_ERROR_FILE"]).write_text(json.dumps(record))
+            written = Path(os.environ["TORCHELASTIC_ERROR_FILE"] + ".partial")  # whole or absent: torchrun parses it
+            written.write_text(json.dumps(record))
+            os.replace(written, os.environ["TORCHELASTIC_ERROR_FILE"])
     finally:
         os._exit(exc.exit_status)
 
 
 sys.excepthook = _report_error
+
+
+def _report_thread_error(args, _default_hook=threading.excepthook):
+    # TensorBoard writes from a thread of its own: a write it is refused ends the run as one in the main thread does.
+    if issubclass(args.exc_type, OSError) and args.exc_value.errno in REFUSED:
+        _report_error(args.exc_type, args.exc_value, args.exc_traceback)
+    return _default_hook(args)
+
+
+threading.excepthook = _report_thread_error
 # torchrun starts its workers in a session of their own: a launcher killed outright (SIGKILL, as by an out-of-memory
 # killer) would leave them training on, holding the run folder. On Linux each worker is ended with its launcher: by
 # SIGKILL, as a SIGTERM is only noted (note_stop_signals) and a worker that hangs would outlive its launcher.

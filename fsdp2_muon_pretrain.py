@@ -138,10 +138,9 @@ class MuonWithAdamW(torch.optim.AdamW):
         buffers = [self.state[p]["momentum_buffer"].to_local() for p in matrices]
         torch._foreach_lerp_(buffers, grads, 1 - self.momentum)  # element by element: each rank its own rows
         updates = torch._foreach_lerp(grads, buffers, self.momentum)  # Nesterov's: the gradient, momentum of the way
-        # Matrix i's owner is rank i % world. Each rank's rows of it, padded to FSDP2's chunk (ceil(rows / world)), are
-        # gathered to the owner, which orthogonalizes the whole and scatters the rows back: a rank sends and receives
-        # 2/world of the matrices a step (qwen2-0.5b on 8 GPUs: 0.31 GB in fp32; all-gathering every matrix: 1.25 GB).
-        # Newton-Schulz's work on the busiest rank, at qwen2-0.5b's 168 matrices: the mean's to 8 ranks, 2.3x at 64.
+        # Matrix i's owner is rank i % world: each rank's rows, padded to FSDP2's chunk (ceil(rows / world)), go to it
+        # to be orthogonalized whole, and come back. A rank sends and receives 2/world of the matrices (qwen2-0.5b, 8
+        # GPUs: 0.31 GB fp32; all-gathering all: 1.25 GB); the busiest rank's Newton-Schulz: the mean at 8, 2.3x at 64.
         chunks = [math.ceil(p.shape[0] / world_size) for p in matrices]
         sent = [F.pad(update, (0, 0, 0, chunk - len(update))) for update, chunk in zip(updates, chunks)]
         gathered = [[torch.empty_like(x) for _ in range(world_size)] if i % world_size == rank else None
@@ -166,8 +165,7 @@ class MuonWithAdamW(torch.optim.AdamW):
 
 
 # Matrices decay; biases and norm gains do not: decided by name, the same rule in every script. Muon takes the decoder
-# layers' matrices; AdamW the rest: the tied embedding (its rows are looked up, not a map to orthogonalize) and the
-# vectors.
+# layers' matrices; AdamW the vectors and the tied embedding (its rows are looked up, not a map to orthogonalize).
 for_muon = {name: p for name, p in model.named_parameters() if p.ndim == 2 and ".layers." in name}
 decay = [p for name, p in model.named_parameters() if not (name.endswith("bias") or "norm" in name or name in for_muon)]
 no_decay = [p for name, p in model.named_parameters() if name.endswith("bias") or "norm" in name]

@@ -95,7 +95,8 @@ BASE_ENV = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERE
 # forked by the zygote, whose imports saw the suite's environment. PYTEST_CURRENT_TEST: pytest's, new in every test.
 RUN_TIME_VARIABLES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                       "TP_PROBE", "PP_PROBE", "CP_PROBE", "EP_PROBE", "EP_PROBE_STEPS", "SYNC_PROBE", "ROLLOUTS",
-                      "CRASH_AT", "CRASH_RANK", "CRASH_STAMP", "CRASH_TARGET", "CRASH_SIGNAL", "PYTEST_CURRENT_TEST"}
+                      "CRASH_AT", "CRASH_RANK", "CRASH_STAMP", "CRASH_TARGET", "CRASH_SIGNAL", "PYTEST_CURRENT_TEST",
+                      "SAVE_SWEEP", "SAVE_SWEEP_TAIL", "SAVE_SWEEP_SPREAD"}
 ZYGOTE = {}  # tests/zygote.py once started: its process, socket and environment
 ZYGOTE_LOCK = threading.Lock()
 

@@ -195,6 +195,31 @@ def test_a_save_the_filesystem_refuses_is_one_line_and_the_newest_checkpoint_sta
     assert found == out / "checkpoints" / "step_10"
 
 
+@pytest.mark.parametrize("script", ["ddp_pretrain.py", "fsdp1_pretrain.py", "fsdp2_pretrain.py"])
+def test_a_disk_that_fills_at_any_byte_of_a_save_gives_the_one_line_and_keeps_the_checkpoint_whole(script, tmp_path):
+    """tests/save_sweep.py: step 2's save, repeated with every file capped at byte counts around the end of each file
+    step 1 wrote (where torch.save's writer fails with another message at each flush) and spread over the rest, ends
+    each time in the one line's SaveFailed, step_1 whole; then step 2 saves."""
+    sweep, out = tmp_path / "sweep.json", tmp_path / "run"
+    check(run_script("tests/save_sweep.py", script, *TINY_RUN, "--max-steps", 2, "--save-every", 1, "--out-dir", out,
+                     env={"SAVE_SWEEP": str(sweep), "SAVE_SWEEP_TAIL": "8", "SAVE_SWEEP_SPREAD": "20"}))
+    found = json.loads(sweep.read_text())
+    assert found["failures"] == {} and found["limits"] >= 30, found["failures"]
+    assert [p.name for p in checkpoints.complete_checkpoints(out / "checkpoints")] == ["step_1", "step_2"]
+
+
+@pytest.mark.parametrize("limit", [600, 1300])  # config.json (1.1 kB) at the start; metrics.jsonl or TensorBoard's file
+def test_a_refused_write_of_the_config_or_the_metrics_is_one_line_too(limit, tmp_path):
+    """Outside a save, a write the filesystem refuses (a file-size limit here, in the main thread or TensorBoard's) is
+    the same kind of line and status 8, not a traceback."""
+    result = run_script("tests/crash.py", "fsdp2_pretrain.py", *TINY_RUN, "--out-dir", tmp_path / "run", nproc=1,
+                        torchrun=True, env={"CRASH_AT": f"fsize:{limit}"})  # its output in pipes, which no limit caps
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: a write failed (OSError: [Errno 27]"), result.stderr[-999:]
+    assert "exitcode  : 8 " in result.stderr and not traceback_through_our_code(result.stderr)
+    assert "Traceback" not in result.stderr.split("error: ")[0]  # nor TensorBoard's thread's
+
+
 def test_resume_auto_starts_fresh_in_an_empty_folder_and_continues_from_the_newest_checkpoint(tiny_run, tmp_path):
     """One command line for the first launch and every later one (a requeued job): --resume auto."""
     args = argparse.Namespace(resume="auto", model="tiny", max_steps=30)

@@ -10,17 +10,12 @@ intervals) into --out; prints a table. A finished run is read, not run again, wh
 Python files, the data and the versions are the same; a failed run prints its stderr's end and stops the benchmark.
 """
 import argparse
-import hashlib
 import json
-import math
-import os
-import shutil
-import subprocess
 import sys
-from importlib.metadata import version
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from runs import finite, run_once
+
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--out", default="runs/lora_vs_sft")
 parser.add_argument("--model", default="small")
@@ -33,27 +28,6 @@ parser.add_argument("--limit", type=int, default=200, help="evaluate.py's --limi
 cli = parser.parse_args()
 out = Path(cli.out)
 out.mkdir(parents=True, exist_ok=True)
-
-
-def key_of(command, data_folders):
-    """What a finished run depends on: its command, every script and shared module, its data's files, the versions."""
-    files = sorted(REPO.glob("*.py")) + [path for folder in data_folders for path in sorted((REPO / folder).rglob("*"))
-                                         if path.is_file()]
-    return {"command": command, "files": {str(path): hashlib.sha256(path.read_bytes()).hexdigest() for path in files},
-            "versions": {name: version(name) for name in ("torch", "transformers", "tiktoken")}}
-
-
-def run_once(folder, command, data_folders):
-    """Runs command unless folder holds a finished run of the same key; a failure shows its stderr and stops."""
-    key = key_of(command, data_folders)
-    if (folder / "run-key.json").is_file() and json.loads((folder / "run-key.json").read_text()) == key:
-        return
-    shutil.rmtree(folder, ignore_errors=True)
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if done.returncode != 0:
-        sys.exit(f"failed ({done.returncode}): {' '.join(command)}\n{done.stderr[-3000:]}")
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "run-key.json").write_text(json.dumps(key))
 
 
 base = out / "base"  # pipeline.py's pretraining and midtraining: the model every method finetunes
@@ -84,13 +58,8 @@ def finetune(method, lr):
 sweep = {(method, lr): finetune(method, lr) for method, (_, _, lrs) in methods.items() for lr in lrs}
 
 
-def final_loss(method, lr):
-    """A run's last validation loss on the conversations; NaN counts as infinite, so that min() never picks it."""
-    loss = sweep[method, lr][1][cli.steps]
-    return math.inf if math.isnan(loss) else loss
-
-
-best = {method: min(lrs, key=lambda lr: final_loss(method, lr)) for method, (_, _, lrs) in methods.items()}
+best = {method: min(lrs, key=lambda lr: finite(sweep[method, lr][1][cli.steps]))  # a NaN never the best
+        for method, (_, _, lrs) in methods.items()}
 scores = {}
 for method, lr in best.items():
     folder = sweep[method, lr][0]

@@ -12,21 +12,19 @@
    x 4 bytes x (ep - 1) / ep, for the dispatch and the combine, in every layer. Backward sends the same again.
 
 Writes results.json, curves.png and balance.png into --out; prints the tables. A finished run is read, not run again,
-while its command and the repository's Python files are the same.
+while its command, the repository's Python files, the data and the versions are the same (runs.py); a failed run
+prints its stderr's end and stops the benchmark.
 """
 import argparse
-import hashlib
 import json
-import os
-import shutil
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 import modeling  # noqa: E402
+from runs import run_once  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--out", default="runs/moe_vs_dense")
@@ -37,22 +35,14 @@ parser.add_argument("--buckets", default="32,64,128,256", help="both models' (sm
 cli = parser.parse_args()
 out = Path(cli.out)
 seeds = [int(seed) for seed in cli.seeds.split(",")]
-CODE = {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted(REPO.glob("*.py"))}
 
 
 def run(name, script, flags, nproc=2):
-    """A run's rows (its metrics.jsonl), run once per command and code."""
+    """A run's rows (its metrics.jsonl), run once per command, code, data and versions (runs.py)."""
     folder = out / name
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script,
                *flags, "--buckets", cli.buckets, "--out-dir", str(folder)]
-    key = {"command": command, "code": CODE}
-    if not (folder / "run-key.json").is_file() or json.loads((folder / "run-key.json").read_text()) != key:
-        shutil.rmtree(folder, ignore_errors=True)
-        result = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
-        if result.returncode:
-            sys.exit(f"{name} failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
-        (folder / "run-key.json").write_text(json.dumps(key))
+    run_once(folder, command, ["data/builtin"])
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 

@@ -73,7 +73,7 @@ chosen = {"AdamW": bracketed_best("AdamW", cli.adamw_lrs.split(",")),
 best = {optimizer: lr for optimizer, (lr, _) in chosen.items()}
 sweep = {(optimizer, lr): run(optimizer, lr, cli.choose_seed) for optimizer, (_, grid) in chosen.items()
          for lr in grid}
-runs = {(optimizer, seed): run(optimizer, best[optimizer], seed) for optimizer in SCRIPTS for seed in seeds}
+runs = {(optimizer, seed): run(optimizer, best[optimizer], seed) for seed in seeds for optimizer in SCRIPTS}  # by pairs
 ratios = []
 for seed in seeds:
     target = runs["AdamW", seed][0][cli.steps]

@@ -196,6 +196,7 @@ def test_a_save_the_filesystem_refuses_is_one_line_and_the_newest_checkpoint_sta
 
 
 @pytest.mark.parametrize("script", ["ddp_pretrain.py", "fsdp1_pretrain.py", "fsdp2_pretrain.py"])
+@pytest.mark.slow  # runs of its own
 def test_a_disk_that_fills_at_any_byte_of_a_save_gives_the_one_line_and_keeps_the_checkpoint_whole(script, tmp_path):
     """tests/save_sweep.py: step 2's save, repeated with every file capped at byte counts around the end of each file
     step 1 wrote (where torch.save's writer fails with another message at each flush) and spread over the rest, ends
@@ -209,6 +210,7 @@ def test_a_disk_that_fills_at_any_byte_of_a_save_gives_the_one_line_and_keeps_th
 
 
 @pytest.mark.parametrize("limit", [600, 1300])  # config.json (1.1 kB) at the start; metrics.jsonl or TensorBoard's file
+@pytest.mark.slow  # runs of its own
 def test_a_refused_write_of_the_config_or_the_metrics_is_one_line_too(limit, tmp_path):
     """Outside a save, a write the filesystem refuses (a file-size limit here, in the main thread or TensorBoard's) is
     the same kind of line and status 8, not a traceback."""

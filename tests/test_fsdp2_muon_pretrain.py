@@ -39,6 +39,7 @@ def test_the_muon_step_is_torch_optim_muons_on_one_process(tmp_path, monkeypatch
             matrix.data.copy_(after)
 
 
+@pytest.mark.slow  # a run of its own
 def test_a_fork_onto_hsdp_stops_at_the_muon_step_instead_of_updating_wrongly(tmp_path):
     """The step deals each matrix's rows over all ranks, as FSDP2 shards them: a fork that shards the model as HSDP
     (a 2-D mesh, replicated over one rank and sharded over one) stops at its first step, in one assertion; without it,

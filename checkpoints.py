@@ -71,7 +71,7 @@ def report_failure(out_dir, step):
         causes = (error.failures.values() if isinstance(error, CheckpointException)  # (failure, its stack) a rank
                   else [(error, traceback.extract_tb(error.__traceback__))])
         if not (refused := [e for e, stack in causes if isinstance(e, OSError)  # or anything inside torch.save's write,
-                            or torch.serialization.__file__ in {frame.filename for frame in stack}]):  # at any byte
+                            or torch.serialization.__file__ in {frame.filename for frame in stack or ()}]):  # any byte
             raise  # not the filesystem's refusal: a dead peer, a bug, ...
         free = shutil.disk_usage(out_dir).free / 1e9 if os.access(out_dir, os.W_OK) else None  # None: not writable
         with contextlib.suppress(OSError):  # stderr may be a file on the disk that is full

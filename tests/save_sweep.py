@@ -47,6 +47,7 @@ def report_failure(out_dir, step):
         save_checkpoint, data_position = script_globals["save_checkpoint"], script_globals["data_position"]
         first = checkpoints.complete_checkpoints(Path(out_dir) / "checkpoints")[0]
         sizes = {**checkpoints.read_meta(first, "--resume")["files"], "meta.json": (first / "meta.json").stat().st_size}
+        script_globals["writer"].flush()  # TensorBoard's thread writes its rows now, not under a limit below
         soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
         failures, reasons = {}, {}
         for limit in limits_around(sizes.values()):

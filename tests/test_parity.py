@@ -91,11 +91,12 @@ def test_the_table_json_and_plot_hold_every_row(parity_of_two_forks):
 def test_an_odd_world_runs_only_the_rows_against_their_own_world_1():
     """DDP's reference runs on 2 processes: an odd --world plans only the rows that list it (Muon's 3), or the scripts
     passed --against-itself; another is one line naming --world."""
-    assert [(row[0], row[4]) for row in parity.planned_rows(parity.parse_args(["--world", "3"]))] == [("muon", 3)]
-    fork = ["--scripts", str(REPO / "fsdp2_muon_pretrain.py"), "--world", "3"]
+    world_3 = parity.parse_args(["--world", "3", "--data", str(TINY_DATA)])
+    assert [(row[0], row[4]) for row in parity.planned_rows(world_3)] == [("muon", 3)]
+    fork = ["--scripts", str(REPO / "fsdp2_muon_pretrain.py"), "--world", "3", "--data", str(TINY_DATA)]
     against_itself = parity.parse_args([*fork, "--against-itself", "micro-batches"])
     assert [row[4] for row in parity.planned_rows(against_itself)] == [3]
-    for argv in (["--world", "5"], fork):
+    for argv in (["--world", "5", "--data", str(TINY_DATA)], fork):
         with pytest.raises(common.UsageError, match="^--world .*: every world size must be even .*change --world$"):
             parity.parse_args(argv)
 

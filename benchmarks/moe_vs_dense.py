@@ -21,10 +21,11 @@ import statistics
 import sys
 from pathlib import Path
 
+from runs import run_once
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 import modeling  # noqa: E402
-from runs import run_once  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--out", default="runs/moe_vs_dense")

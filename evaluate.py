@@ -309,6 +309,8 @@ def get_parser():
                         help="seeds the sampling, the few-shot examples and the bootstrap")
     parser.add_argument("--batch-size", type=common.COUNT, default=256, help="sequences per forward or generate call")
     parser.add_argument("--out", default=None, help="also write the rows to this JSON-lines file")
+    parser.add_argument("--base", default=None, help="a LoRA run: where its base lies now, if moved (default: where "
+                        "the run recorded it)")
     return parser
 
 
@@ -326,7 +328,7 @@ def evaluate(args):
                                 f"conversations); {checkpoint_dir} is {meta['script']}'s: use --tasks "
                                 f"prose_bpb,arith_choice")
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    model, meta = loading.load_checkpoint_model(checkpoint_dir, device)
+    model, meta = loading.load_checkpoint_model(checkpoint_dir, device, args.base)
     if device.type == "cuda":
         model = model.to(torch.bfloat16)  # batched inference in bf16 on a GPU; the scores are summed in fp32
     tokenizer = common.get_chat_tokenizer()

@@ -17,9 +17,10 @@ AutoTokenizer, pipelines, vLLM and lm-eval would feed the model ids it never saw
 GPT2Tokenizer. A Mixture of Experts (fsdp2_ep_pretrain.py) is written as transformers' own Qwen2MoeForCausalLM, each
 expert's matrices apart, as Qwen's published MoE checkpoints are (transformers forces no tokenizer on qwen2_moe).
 
-A LoRA run (fsdp2_lora_sft.py) is written as PEFT writes it: OUT_DIR holds adapter_config.json and
-adapter_model.safetensors, OUT_DIR/base the base folder they belong to (with the marker rows the run gave it; a
---base-dtype nf4 run's base dequantized, as it trained on it):
+A LoRA run (fsdp2_lora_sft.py) is written as PEFT writes it: OUT_DIR holds adapter_config.json (its
+trainable_token_indices, or modules_to_save for --train-embedding) and adapter_model.safetensors (the adapters and
+the trained token rows), OUT_DIR/base the base folder they belong to (a --base-dtype nf4 run's base dequantized, as it
+trained on it), which adapter_config.json names as "base", the folder beside it:
 
     peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("OUT_DIR/base"), "OUT_DIR")
 
@@ -93,8 +94,9 @@ def moe_model(model):
     return plain
 
 
-def export(checkpoint, out_dir, merge=False):
-    """Write the Hugging Face folder out_dir from a checkpoint folder or a run folder; returns the checkpoint's meta."""
+def export(checkpoint, out_dir, merge=False, base=None):
+    """Write the Hugging Face folder out_dir from a checkpoint folder or a run folder (a LoRA run's base from `base`, if
+    given: where it lies now); returns the checkpoint's meta."""
     checkpoint_dir = loading.resolve_checkpoint(checkpoint)
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
@@ -104,9 +106,9 @@ def export(checkpoint, out_dir, merge=False):
     partial_lock = common.lock_folder(partial_dir, "OUT_DIR")  # one export into OUT_DIR at a time, until the rename
     meta, adapters = checkpoints.read_meta(checkpoint_dir, "CHECKPOINT"), None
     if "lora_rank" in meta["config"] and "export" not in meta and not merge:  # the base; the adapters: PEFT's folder
-        model, adapters = loading.lora_parts(checkpoint_dir)
+        model, adapters = loading.lora_parts(checkpoint_dir, base=base)
     else:
-        model, meta = loading.load_checkpoint_model(checkpoint_dir)
+        model, meta = loading.load_checkpoint_model(checkpoint_dir, base=base)
     moe = meta["model"] in modeling.MOE_PRESETS
     model = moe_model(model) if moe else llama_model(model)
     model.generation_config.pad_token_id = common.EOT_ID
@@ -124,14 +126,22 @@ def export(checkpoint, out_dir, merge=False):
     if adapters:  # written by peft itself: its config, its key names (base_model.model.<name>.lora_A.weight)
         from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 
-        model.name_or_path = str(out_dir.resolve() / "base")  # adapter_config.json's base_model_name_or_path
-        lora = LoraConfig(r=meta["config"]["lora_rank"], lora_alpha=meta["config"]["lora_alpha"], task_type="CAUSAL_LM",
-                          target_modules=meta["config"]["lora_targets"])
+        config = meta["config"]
+        model.name_or_path = "base"  # adapter_config.json's base_model_name_or_path: the folder beside it
+        rows = (dict(modules_to_save=["embed_tokens"], ensure_weight_tying=True) if config.get("train_embedding")
+                else dict(trainable_token_indices=config["trainable_tokens"]) if config.get("trainable_tokens") else {})
+        lora = LoraConfig(r=config["lora_rank"], lora_alpha=config["lora_alpha"], task_type="CAUSAL_LM",
+                          target_modules=config["lora_targets"], **rows)
+        if "model.embed_tokens.weight" in adapters:  # PEFT keeps the tied head's copy too
+            adapters["lm_head.weight"] = adapters["model.embed_tokens.weight"]
+        if (delta := adapters.pop("model.embed_tokens.trainable_tokens_delta", None)) is not None:  # PEFT's holds the
+            rows = model.model.embed_tokens.weight.detach()[config["trainable_tokens"]]  # rows, in its token_adapter
+            adapters["model.embed_tokens.token_adapter.trainable_tokens_delta"] = rows + delta
         peft_model = get_peft_model(model, lora)
         loaded = set_peft_model_state_dict(peft_model, {f"base_model.model.{name}": tensor
                                                         for name, tensor in adapters.items()})
         assert not loaded.unexpected_keys, loaded.unexpected_keys  # every adapter has its place
-        peft_model.save_pretrained(partial_dir)
+        peft_model.save_pretrained(partial_dir, save_embedding_layers=False)  # the vocabulary is the base's: no check
         hf_tokenizer().save_pretrained(partial_dir)
     umask = os.umask(0)
     os.umask(umask)  # read back: the mode any file the user writes gets (644 under the usual umask)
@@ -159,6 +169,8 @@ if __name__ == "__main__":
     parser.add_argument("out_dir", help="the Hugging Face model folder to write (must not exist, or be empty)")
     parser.add_argument("--merge", action="store_true", help="a LoRA run: one folder of the merged weights, not "
                         "PEFT's folder beside its base")
+    parser.add_argument("--base", default=None, help="a LoRA run: where its base lies now, if moved (default: where "
+                        "the run recorded it)")
     args = parser.parse_args()
-    checkpoint_dir, meta = export(args.checkpoint, args.out_dir, args.merge)
+    checkpoint_dir, meta = export(args.checkpoint, args.out_dir, args.merge, args.base)
     print(f"exported {checkpoint_dir} ({meta['script']}, step {meta['step']}) to {args.out_dir}")

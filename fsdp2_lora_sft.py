@@ -1,5 +1,5 @@
 """Finetune low-rank adapters (LoRA) of the frozen pretrained model with FSDP2 on reasoning conversations: marker
-tokens, loss on assistant tokens only.
+tokens, their rows trained beside the adapters, loss on assistant tokens only.
 
     torchrun --standalone --nproc_per_node=2 fsdp2_lora_sft.py                # after fsdp2_pretrain.py; builtin set
     torchrun --standalone --nproc_per_node=8 fsdp2_lora_sft.py --model qwen2-0.5b --data data/openthoughts
@@ -8,6 +8,7 @@ tokens, loss on assistant tokens only.
 data/openthoughts). The base is runs/fsdp2_pretrain's newest checkpoint unless --init-from names another; each
 checkpoint holds the adapters and names its base. `python export_hf.py RUN OUT` writes the base and a PEFT folder.
 """
+import hashlib
 import json
 import os
 import shutil
@@ -47,7 +48,7 @@ STARTS_FROM = ["fsdp2_pretrain", "fsdp2_tp_pretrain", "fsdp2_cp_pretrain", "pp_p
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Each --model preset's training defaults: the values of the flags left unset (its shape: common.MODEL_PRESETS).
 PRESETS = {
-    "tiny": dict(buckets=[64, 96, 128], tokens_per_batch=512, lr=1e-3, warmup_steps=5, max_steps=20, eval_every=10,
+    "tiny": dict(buckets=[64, 96, 128], tokens_per_batch=512, lr=1e-2, warmup_steps=5, max_steps=20, eval_every=10,
                  save_every=10, eval_generate=16),
     # 11 points on the curves (steps 0, 150, ..., 1500), each answering 50 held-out problems (evaluate.py: 200).
     "small": dict(buckets=[68, 96], tokens_per_batch=512, lr=3e-3, warmup_steps=30, max_steps=1500, eval_every=150,
@@ -74,11 +75,20 @@ parser.add_argument("--lora-alpha", type=common.number(float, 1e-9), default=32.
                     "alpha / r, so a new --lora-rank keeps its size at the start of training")
 parser.add_argument("--lora-targets", type=lambda text: text.split(","), default=TARGETS,
                     help=f"comma-separated projections that get an adapter (default: {','.join(TARGETS)})")
+embedding_flags = parser.add_mutually_exclusive_group()  # which token rows train beside the adapters: some, or all
+embedding_flags.add_argument("--trainable-tokens", default=list(common.SPECIAL_TOKENS.values()), type=lambda text: [
+    *dict.fromkeys(common.number(int, 0, common.VOCAB_SIZE - 1)(token) for token in text.split(","))], help="comma-"
+    "separated token ids whose rows train, in the embedding and the tied head (PEFT's trainable_token_indices; "
+    "default: the markers)")
+embedding_flags.add_argument("--train-embedding", action="store_true", help="train the whole embedding and tied head "
+                             "instead (PEFT's modules_to_save): for a base whose embedding is undertrained, as the CPU "
+                             "presets' are (docs/sft.md); the markers' rows alone suit a well-trained base")
 parser.add_argument("--base-dtype", choices=["fp32", "nf4"], default="fp32", help="how the targets' frozen weights are "
                     "stored: as the other parameters, or in 4 bits (torchao's NF4, as QLoRA), dequantized to compute")
 parser.add_argument("--replay", default=None, help="SOURCE:SHARE: pretraining text trained on beside the conversations "
                     "as that share of the tokens, every token a target, so that the model keeps its prose (e.g. "
                     "data/builtin:0.2; default: none)")
+parser.set_defaults(weight_decay=0.0)  # PEFT's default: the adapters do not decay unless --weight-decay says so
 args = common.parse_args(parser, PRESETS)  # the flags left unset: the --model preset's
 tokens_per_step = args.tokens_per_batch * args.grad_accum * world_size  # positions a step computes, padding too
 args = common.finalize_args(args, tokens_per_step)
@@ -104,12 +114,15 @@ dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if
 fake = args.estimate_memory == "fake"  # estimate_memory.py's: fake tensors on a fake process group, shapes only
 checkpoint_root = Path(args.out_dir) / "checkpoints"
 resume_dir = checkpoints.find_resume_checkpoint(args, checkpoint_root, SCRIPT)
+trained_on = checkpoints.read_meta(resume_dir, "--resume")["config"] if resume_dir else {}  # the adapters' base
+if trained_on and checkpoints.newest_checkpoint(trained_on["init_from"]):  # read where it lay while it lies there
+    args.init_from = trained_on["init_from"]
 init_dir = None if args.estimate_memory else checkpoints.find_init_checkpoint(args, STARTS_FROM)  # on resume too
-base = checkpoints.read_meta(resume_dir, "--resume")["config"]["init_from"] if resume_dir else str(init_dir)
-if init_dir is not None and Path(base).resolve() != init_dir.resolve():  # the adapters belong to one base
-    raise common.UsageError(f"--init-from {init_dir}: the adapters of --resume {resume_dir} were trained on {base}: "
-                            f"pass --init-from {base}")
-args.init_from = str(init_dir.resolve() if init_dir else base)  # recorded in each checkpoint: the base folder itself
+args.base_sha256 = init_dir and hashlib.sha256((init_dir / "meta.json").read_bytes()).hexdigest()  # where it lies
+if trained_on.get("base_sha256", args.base_sha256) != args.base_sha256:  # (its meta.json: its step, flags, sizes)
+    raise common.UsageError(f"--init-from {init_dir}: the adapters of --resume {resume_dir} were trained on "
+                            f"{trained_on['init_from']}, moved or gone: pass --init-from where that base lies now")
+args.init_from = str(init_dir or args.init_from)  # recorded in each checkpoint: the base's folder, as found
 
 # ---------------------------------------------------------------------------------------------- data
 tokenizer = common.get_chat_tokenizer()  # GPT-2 BPE plus the role and reasoning markers
@@ -154,6 +167,22 @@ class LoRALinear(torch.nn.Module):
         return self.base_layer(x) + self.scale * self.lora_B(self.lora_A(x))  # A x first: r-wide, never out x in
 
 
+class TrainableTokens(torch.nn.Module):
+    """A frozen embedding, or its tied head, whose rows token_indices add trainable_tokens_delta (zeros at the start):
+    PEFT's trainable tokens and names, the two sharing one delta, so the head follows the tie."""
+
+    def __init__(self, base_layer, token_indices, delta):
+        super().__init__()
+        self.base_layer, self.token_indices, self.trainable_tokens_delta = base_layer, token_indices, delta
+
+    @property
+    def weight(self):  # what the chunked loss reads of the head
+        return self.base_layer.weight.index_add(0, self.token_indices, self.trainable_tokens_delta)
+
+    def forward(self, x):  # token ids, or (the head) hidden states
+        return torch.nn.functional.linear(x, self.weight) if x.is_floating_point() else self.weight[x]
+
+
 torch.manual_seed(args.seed)  # the same init on every rank, and in every script
 model = modeling.build_model(args.model, args.activation_checkpointing, args.loss_chunk_rows, fake)
 model.requires_grad_(False)  # the base is frozen: only the adapters added next have gradients and AdamW moments
@@ -162,6 +191,8 @@ for layer in model.model.layers:  # A is drawn in this fixed order, the same on 
         for name in [name for name in TARGETS if name in args.lora_targets and hasattr(block, name)]:
             setattr(block, name, LoRALinear(getattr(block, name), args.lora_rank, args.lora_alpha))
 n_params, model_config = model.num_parameters(), model.config  # transformers' count: a tied weight once
+# A frozen matrix takes no weight gradient: 2 of 6N's FLOPs a token (the tied embedding's is computed, whole).
+frozen_flops = 2 * sum(p.numel() for name, p in model.named_parameters() if "embed" not in name and "lora_" not in name)
 if rank == 0:
     common.write_config(args, SCRIPT, world_size, device, dtype, n_params, tokens_per_step, resume_dir or init_dir)
 # The base's weights, on resume too (a checkpoint holds only the adapters), each under the base's own name: read whole
@@ -179,6 +210,13 @@ if args.base_dtype == "nf4":  # 64 weights a block, its scale; the scales quanti
     from torchao.quantization import to_nf4  # quantize alike in any world (torchao: read only for this flag)
     for linear in [module.base_layer for module in model.modules() if isinstance(module, LoRALinear)]:
         linear.weight = torch.nn.Parameter(to_nf4(linear.weight.detach(), 64, linear.in_features // 64), False)
+if args.train_embedding:  # PEFT's modules_to_save: the whole embedding trains, and the head tied to it
+    model.model.embed_tokens.weight.requires_grad_(True)
+else:  # PEFT's trainable_token_indices: these rows alone train, one delta for the embedding and the tied head
+    delta, token_rows = torch.nn.Parameter(torch.zeros(len(args.trainable_tokens), model_config.hidden_size)), \
+        torch.tensor(args.trainable_tokens, device=device)
+    model.model.embed_tokens, model.lm_head = (TrainableTokens(module, token_rows, delta)
+                                               for module in (model.model.embed_tokens, model.lm_head))
 if args.compile:
     torch._dynamo.config.recompile_limit = 2 * len(args.buckets)  # per bucket a training and an evaluation graph
     for layer in model.model.layers.children():  # regional: all layers share each bucket's graph; hooks stay outside
@@ -195,9 +233,9 @@ fully_shard(model, mp_policy=mixed_precision)  # the root: embedding, tied head,
 marker_rows = None  # the base's own, unless set here: then saved in each checkpoint, as the base's part of the run
 if init_dir is not None and not checkpoints.read_meta(init_dir, "--init-from").get("chat_format"):
     # The marker rows (50,257 and up) were never trained: start them at the mean of the real token rows, so
-    # their logits start at an average token's, plus tiny noise so that they differ from each other. Frozen too.
+    # their logits start at an average token's, plus tiny noise so that they differ from each other. Then they train.
     with torch.no_grad():
-        embedding = model.model.embed_tokens.weight  # tied to the output head; a DTensor sharded by rows
+        embedding = getattr(model.lm_head, "base_layer", model.lm_head).weight  # the base's; a DTensor sharded by rows
         rows = embedding.full_tensor()  # this one matrix is gathered, once
         new_rows = slice(common.EOT_ID + 1, common.EOT_ID + 1 + len(common.SPECIAL_TOKENS))
         rows[new_rows] = rows[:common.EOT_ID + 1].mean(0) + 1e-3 * torch.randn_like(rows[new_rows])
@@ -205,7 +243,7 @@ if init_dir is not None and not checkpoints.read_meta(init_dir, "--init-from").g
         marker_rows = rows[new_rows].clone()
 
 # ---------------------------------------------------------------------------------------------- optimizer
-# Matrices decay; biases and norm gains do not: decided by name, the same rule in every script. Only the adapters.
+# Matrices decay; biases and norm gains do not: decided by name, the same rule in every script. Only what trains.
 trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
 decay = [p for name, p in trainable.items() if not (name.endswith("bias") or "norm" in name)]
 no_decay = [p for name, p in trainable.items() if name.endswith("bias") or "norm" in name]
@@ -240,8 +278,8 @@ if args.estimate_memory:  # estimate_memory.py: this step, measured per bucket o
 
 # ---------------------------------------------------------------------------------------------- checkpoint
 def adapter_state():
-    """The adapters' entries of the model's state dict (PEFT's names after base_model.model.): all that trains."""
-    return {name: tensor for name, tensor in get_model_state_dict(model).items() if "lora_" in name}
+    """What trains, of the model's state dict (PEFT's names after base_model.model.; a tied head's copy left out)."""
+    return {name: tensor for name, tensor in get_model_state_dict(model).items() if name in trainable}
 
 
 def save_checkpoint(step, data_position):
@@ -254,7 +292,7 @@ def save_checkpoint(step, data_position):
                     "marker_rows": marker_rows, "eval_owed": eval_owed},
                    partial_dir / "train_state.pt")  # one copy: ranks seed alike
     dist.barrier()  # the folder exists before anyone writes into it
-    dcp.save(adapter_state(), checkpoint_id=partial_dir / "model")  # the adapters' DTensor shards: no base weight
+    dcp.save(adapter_state(), checkpoint_id=partial_dir / "model")  # what trains, as DTensor shards: no frozen weight
     dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=partial_dir / "optimizer")  # keyed by name too
     if rank == 0:
         checkpoints.commit_checkpoint(partial_dir, args, SCRIPT, step, world_size, data_order, RESUMED_BY,
@@ -378,7 +416,7 @@ while step < args.max_steps and not stop_votes:
     run_peak_mem_gb = max(run_peak_mem_gb, step_peak_mem_gb)
     padded_tokens = world_size * args.grad_accum * batch_size * bucket_len
     total_tokens, total_padded = total_tokens + tokens, total_padded + padded_tokens
-    flops = modeling.flops_per_token(n_params, model_config, bucket_len) * tokens
+    flops = (modeling.flops_per_token(n_params, model_config, bucket_len) - frozen_flops) * tokens
     mfu = flops / step_time / (peak_flops * world_size) if peak_flops else None  # None where the peak is unknown (CPUs)
     if step % args.log_every == 0 or step == args.max_steps:
         log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,

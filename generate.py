@@ -32,13 +32,15 @@ parser.add_argument("--temperature", type=common.NON_NEGATIVE, default=0.0, help
 parser.add_argument("--top-k", type=common.NON_NEGATIVE_INT, default=50,
                     help="sample among the k most likely tokens (with --temperature > 0; 0 = all)")
 parser.add_argument("--seed", type=common.NON_NEGATIVE_INT, default=1337, help="seeds the sampling")
+parser.add_argument("--base", default=None, help="a LoRA run: where its base lies now, if moved (default: where the "
+                    "run recorded it)")
 args = parser.parse_args()
 if not args.chat and args.prompt is None:
     parser.error("--prompt is required without --chat")
 
 device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 checkpoint_dir = loading.resolve_checkpoint(args.checkpoint)
-model, meta = loading.load_checkpoint_model(checkpoint_dir, device)
+model, meta = loading.load_checkpoint_model(checkpoint_dir, device, args.base)
 source = f"{meta['script']}.py, step {meta['step']}"
 if "export" in meta:  # an export_hf.py folder: its checkpoint's meta.json, and where it came from
     source = f"exported from {source}"

@@ -2,6 +2,7 @@
 in one process with no process group (the training scripts load their own, in their strategy's way); a script's
 PRESETS."""
 import ast
+import hashlib
 import pickle
 from pathlib import Path
 
@@ -23,7 +24,7 @@ def resolve_checkpoint(path):
     return checkpoint_dir
 
 
-def load_checkpoint_model(checkpoint_dir, device="cpu"):
+def load_checkpoint_model(checkpoint_dir, device="cpu", base=None):
     """A plain, unsharded model with the weights of a checkpoint of any script (or an exported folder), in one
     process and with no process group: DCP reads sharded checkpoints into whole tensors by itself. The layout is told
     by the files:
@@ -39,7 +40,7 @@ def load_checkpoint_model(checkpoint_dir, device="cpu"):
     state = model.state_dict()
     try:
         if "lora_rank" in meta["config"] and "export" not in meta:  # adapters (fsdp2_lora_sft.py), merged into the base
-            return lora_parts(checkpoint_dir, merged=True)[0].to(device), meta
+            return lora_parts(checkpoint_dir, merged=True, base=base)[0].to(device), meta
         if "export" in meta and moe:  # each expert's matrices apart, as transformers writes them: it fuses them again
             from transformers import Qwen2MoeForCausalLM
             state = Qwen2MoeForCausalLM.from_pretrained(checkpoint_dir).state_dict()
@@ -59,13 +60,20 @@ def load_checkpoint_model(checkpoint_dir, device="cpu"):
     return model.to(device), meta
 
 
-def lora_parts(checkpoint_dir, merged=False):
-    """A fsdp2_lora_sft.py checkpoint's base (with the marker rows the run gave it; a 4-bit one dequantized) and
-    adapters, whole, named as in the model ({module}.lora_A.weight, ...B.weight); merged: W + (alpha / r) B A."""
+def lora_parts(checkpoint_dir, merged=False, base=None):
+    """A fsdp2_lora_sft.py checkpoint's base (where the run recorded it, or `base`: where it lies now; checked by its
+    meta.json's sha256; a 4-bit one dequantized) and what trained, whole, named as in the model ({module}.lora_A.weight,
+    ...B.weight, the token rows' model.embed_tokens.trainable_tokens_delta (added to the base's rows) or the whole
+    model.embed_tokens.weight); merged: W + (alpha / r) B A, and the trained rows in the embedding."""
     config = checkpoints.read_meta(checkpoint_dir, "checkpoint")["config"]
-    model, _ = load_checkpoint_model(resolve_checkpoint(config["init_from"]))
-    if (rows := torch.load(Path(checkpoint_dir) / "train_state.pt", weights_only=True)["marker_rows"]) is not None:
-        model.model.embed_tokens.weight.data[common.EOT_ID + 1:common.EOT_ID + 1 + len(rows)] = rows
+    base_dir = checkpoints.newest_checkpoint(base or config["init_from"])
+    if base_dir is None or config.get("base_sha256", digest(base_dir)) != digest(base_dir):
+        found = "is not that base" if base_dir else "holds no checkpoint"
+        raise common.UsageError(f"--base {base or config['init_from']} {found}: the LoRA run {checkpoint_dir} trained "
+                                f"on {config['init_from']}; pass --base where that base lies now")
+    model, _ = load_checkpoint_model(base_dir)
+    if (rows := torch.load(Path(checkpoint_dir) / "train_state.pt", weights_only=True).get("marker_rows")) is not None:
+        model.model.embed_tokens.weight.data[common.EOT_ID + 1:common.EOT_ID + 1 + len(rows)] = rows  # older runs'
     stored = dcp.FileSystemReader(Path(checkpoint_dir) / "model").read_metadata().state_dict_metadata  # their shapes
     adapters = {name: torch.empty(entry.size) for name, entry in stored.items()}
     dcp.load(adapters, checkpoint_id=Path(checkpoint_dir) / "model")
@@ -75,7 +83,16 @@ def lora_parts(checkpoint_dir, merged=False):
             module.weight.data = to_nf4(module.weight.data, 64, module.in_features // 64).get_original_weight()
         if a is not None and merged:
             module.weight.data += config["lora_alpha"] / config["lora_rank"] * adapters[f"{name}.lora_B.weight"] @ a
+    if merged and "model.embed_tokens.weight" in adapters:  # --train-embedding's: the whole matrix, the head tied
+        model.model.embed_tokens.weight.data.copy_(adapters["model.embed_tokens.weight"])
+    if merged and (delta := adapters.get("model.embed_tokens.trainable_tokens_delta")) is not None:
+        model.model.embed_tokens.weight.data[config["trainable_tokens"]] += delta
     return model, adapters
+
+
+def digest(checkpoint_dir):
+    """A checkpoint's identity wherever it lies: the sha256 of its meta.json (its step, flags and every file's size)."""
+    return hashlib.sha256((Path(checkpoint_dir) / "meta.json").read_bytes()).hexdigest()
 
 
 def script_presets(script):

@@ -7,6 +7,7 @@ tokens, their rows trained beside the adapters, loss on assistant tokens only.
 --data: a folder of prepare_data.py (`python prepare_data.py` writes data/builtin-sft; its docstring says how to write
 data/openthoughts). The base is runs/fsdp2_pretrain's newest checkpoint unless --init-from names another; each
 checkpoint holds the adapters and names its base. `python export_hf.py RUN OUT` writes the base and a PEFT folder.
+Each preset's learning rate is 3.3x the full SFT's best: LoRA's best over the full SFT's, as measured (docs/sft.md).
 """
 import hashlib
 import json
@@ -51,9 +52,9 @@ PRESETS = {
     "tiny": dict(buckets=[64, 96, 128], tokens_per_batch=512, lr=1e-2, warmup_steps=5, max_steps=20, eval_every=10,
                  save_every=10, eval_generate=16),
     # 11 points on the curves (steps 0, 150, ..., 1500), each answering 50 held-out problems (evaluate.py: 200).
-    "small": dict(buckets=[68, 96], tokens_per_batch=512, lr=3e-3, warmup_steps=30, max_steps=1500, eval_every=150,
+    "small": dict(buckets=[68, 96], tokens_per_batch=512, lr=1e-2, warmup_steps=30, max_steps=1500, eval_every=150,
                   save_every=500, eval_generate=50),
-    "qwen2-0.5b": dict(buckets=[512, 1024, 2048, 4096, 8192], tokens_per_batch=16384, lr=5e-5, warmup_steps=50,
+    "qwen2-0.5b": dict(buckets=[512, 1024, 2048, 4096, 8192], tokens_per_batch=16384, lr=1.5e-4, warmup_steps=50,
                        max_steps=2000, eval_every=250, save_every=500, eval_generate=200),
 }
 
@@ -80,9 +81,8 @@ embedding_flags.add_argument("--trainable-tokens", default=list(common.SPECIAL_T
     *dict.fromkeys(common.number(int, 0, common.VOCAB_SIZE - 1)(token) for token in text.split(","))], help="comma-"
     "separated token ids whose rows train, in the embedding and the tied head (PEFT's trainable_token_indices; "
     "default: the markers)")
-embedding_flags.add_argument("--train-embedding", action="store_true", help="train the whole embedding and tied head "
-                             "instead (PEFT's modules_to_save): for a base whose embedding is undertrained, as the CPU "
-                             "presets' are (docs/sft.md); the markers' rows alone suit a well-trained base")
+embedding_flags.add_argument("--train-embedding", action="store_true", help="train the whole embedding (PEFT's "
+                             "modules_to_save): for an undertrained one, as the CPU presets' (docs/sft.md)")
 parser.add_argument("--base-dtype", choices=["fp32", "nf4"], default="fp32", help="how the targets' frozen weights are "
                     "stored: as the other parameters, or in 4 bits (torchao's NF4, as QLoRA), dequantized to compute")
 parser.add_argument("--replay", default=None, help="SOURCE:SHARE: pretraining text trained on beside the conversations "
@@ -104,9 +104,8 @@ if args.lora_rank > narrowest:
 widths = [shape["hidden_size"], shape["intermediate_size"], kv_width]  # the projections' rows; the first two: columns
 misfits = [w for w in widths[:2] if w % 64] + [w for w in widths if w % world_size]  # NF4: whole blocks, whole rows
 if args.base_dtype == "nf4" and (world_size < 2 or misfits):
-    raise common.UsageError(f"--base-dtype nf4 needs 2 ranks or more (FSDP2 on one hands NF4 one of its 3 tensors: "
-                            f"pytorch#197999), and widths {widths} (--model {args.model}) in whole blocks of 64 "
-                            f"and whole rows a rank: pass --base-dtype fp32")
+    raise common.UsageError(f"--base-dtype nf4 needs 2 ranks or more (pytorch#197999), and widths {widths} (--model "
+                            f"{args.model}) in whole blocks of 64 and whole rows a rank: pass --base-dtype fp32")
 run_folder_lock = common.lock_folder(args.out_dir, "--out-dir") if rank == 0 else None  # one writer, until exit
 stop_signals = common.note_stop_signals()  # SIGTERM, SIGINT, SIGUSR1: this rank's, until the step's end
 device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
@@ -191,8 +190,6 @@ for layer in model.model.layers:  # A is drawn in this fixed order, the same on 
         for name in [name for name in TARGETS if name in args.lora_targets and hasattr(block, name)]:
             setattr(block, name, LoRALinear(getattr(block, name), args.lora_rank, args.lora_alpha))
 n_params, model_config = model.num_parameters(), model.config  # transformers' count: a tied weight once
-# A frozen matrix takes no weight gradient: 2 of 6N's FLOPs a token (the tied embedding's is computed, whole).
-frozen_flops = 2 * sum(p.numel() for name, p in model.named_parameters() if "embed" not in name and "lora_" not in name)
 if rank == 0:
     common.write_config(args, SCRIPT, world_size, device, dtype, n_params, tokens_per_step, resume_dir or init_dir)
 # The base's weights, on resume too (a checkpoint holds only the adapters), each under the base's own name: read whole
@@ -233,7 +230,7 @@ fully_shard(model, mp_policy=mixed_precision)  # the root: embedding, tied head,
 marker_rows = None  # the base's own, unless set here: then saved in each checkpoint, as the base's part of the run
 if init_dir is not None and not checkpoints.read_meta(init_dir, "--init-from").get("chat_format"):
     # The marker rows (50,257 and up) were never trained: start them at the mean of the real token rows, so
-    # their logits start at an average token's, plus tiny noise so that they differ from each other. Then they train.
+    # their logits start at an average token's, plus tiny noise so that they differ from each other.
     with torch.no_grad():
         embedding = getattr(model.lm_head, "base_layer", model.lm_head).weight  # the base's; a DTensor sharded by rows
         rows = embedding.full_tensor()  # this one matrix is gathered, once
@@ -245,6 +242,7 @@ if init_dir is not None and not checkpoints.read_meta(init_dir, "--init-from").g
 # ---------------------------------------------------------------------------------------------- optimizer
 # Matrices decay; biases and norm gains do not: decided by name, the same rule in every script. Only what trains.
 trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
+frozen_grad_flops = 2 * sum(p.numel() for n, p in model.named_parameters() if n not in trainable and "embed" not in n)
 decay = [p for name, p in trainable.items() if not (name.endswith("bias") or "norm" in name)]
 no_decay = [p for name, p in trainable.items() if name.endswith("bias") or "norm" in name]
 groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -416,7 +414,7 @@ while step < args.max_steps and not stop_votes:
     run_peak_mem_gb = max(run_peak_mem_gb, step_peak_mem_gb)
     padded_tokens = world_size * args.grad_accum * batch_size * bucket_len
     total_tokens, total_padded = total_tokens + tokens, total_padded + padded_tokens
-    flops = (modeling.flops_per_token(n_params, model_config, bucket_len) - frozen_flops) * tokens
+    flops = (modeling.flops_per_token(n_params, model_config, bucket_len) - frozen_grad_flops) * tokens
     mfu = flops / step_time / (peak_flops * world_size) if peak_flops else None  # None where the peak is unknown (CPUs)
     if step % args.log_every == 0 or step == args.max_steps:
         log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,

@@ -34,9 +34,9 @@ DIFFS = {
          "training step": 34, "training loop": 14},
     ("fsdp2_pretrain.py", "fsdp2_sft.py"):  # chat data, its init read shard by shard, the marker rows, accuracy
         {"preamble": 38, "setup": 14, "data": 13, "model": 2, "init from a checkpoint": 17, "evaluation": 16, "end": 4},
-    ("fsdp2_sft.py", "fsdp2_lora_sft.py"):  # the adapters, the frozen base read whole (NF4: quantized), the checks
-        {"preamble": 14, "setup": 30, "model": 35, "init from a checkpoint": 10, "optimizer": 7, "training step": 4,
-         "checkpoint": 16},
+    ("fsdp2_sft.py", "fsdp2_lora_sft.py"):  # the adapters and token rows, the frozen base read whole, its digest
+        {"preamble": 22, "setup": 40, "model": 58, "init from a checkpoint": 10, "optimizer": 8, "training step": 4,
+         "checkpoint": 15, "training loop": 2},
     ("fsdp2_sft.py", "fsdp2_grpo.py"):  # prompts and rewards, rollouts, the advantage and the policy-gradient loss
         {"preamble": 28, "setup": 21, "data": 25, "wrap": 3, "init from a checkpoint": 9, "training step": 18,
          "resume": 5, "evaluation": 11, "rollouts": 11, "training loop": 71},

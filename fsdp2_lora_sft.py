@@ -7,7 +7,7 @@ tokens, their rows trained beside the adapters, loss on assistant tokens only.
 --data: a folder of prepare_data.py (`python prepare_data.py` writes data/builtin-sft; its docstring says how to write
 data/openthoughts). The base is runs/fsdp2_pretrain's newest checkpoint unless --init-from names another; each
 checkpoint holds the adapters and names its base. `python export_hf.py RUN OUT` writes the base and a PEFT folder.
-Each preset's learning rate is 3.3x the full SFT's best: LoRA's best over the full SFT's, as measured (docs/sft.md).
+LoRA's best learning rate was 1x (small, midtrained base) to 3.3x (tiny) the full SFT's; the presets' follow it.
 """
 import hashlib
 import json
@@ -52,9 +52,9 @@ PRESETS = {
     "tiny": dict(buckets=[64, 96, 128], tokens_per_batch=512, lr=1e-2, warmup_steps=5, max_steps=20, eval_every=10,
                  save_every=10, eval_generate=16),
     # 11 points on the curves (steps 0, 150, ..., 1500), each answering 50 held-out problems (evaluate.py: 200).
-    "small": dict(buckets=[68, 96], tokens_per_batch=512, lr=1e-2, warmup_steps=30, max_steps=1500, eval_every=150,
+    "small": dict(buckets=[68, 96], tokens_per_batch=512, lr=3e-3, warmup_steps=30, max_steps=1500, eval_every=150,
                   save_every=500, eval_generate=50),
-    "qwen2-0.5b": dict(buckets=[512, 1024, 2048, 4096, 8192], tokens_per_batch=16384, lr=1.5e-4, warmup_steps=50,
+    "qwen2-0.5b": dict(buckets=[512, 1024, 2048, 4096, 8192], tokens_per_batch=16384, lr=1e-4, warmup_steps=50,
                        max_steps=2000, eval_every=250, save_every=500, eval_generate=200),
 }
 

@@ -110,15 +110,16 @@ def test_the_trends_hold(fake_runs):
         assert total(fake_runs[name], PARAMETERS) == pytest.approx(moe_bytes / 4, rel=1e-3)
         assert total(fake_runs[name], OPTIMIZER) == pytest.approx(2 * moe_bytes / 4, rel=1e-3)
     assert fake_runs["replicate 2 x cp 2"]["Activation"] == fake_runs["cp 2"]["Activation"]
-    # LoRA: the base's shards as FSDP2's, the adapters' beside them (A: r x in, B: out x r, each halved at world 2);
-    # gradients and AdamW's moments (and step counts) for the adapters only.
+    # LoRA: the base's shards as FSDP2's, the adapters' beside them (A: r x in, B: out x r, each halved at world 2) and
+    # the 8 marker rows' delta (8 x hidden, halved); gradients and AdamW's moments (and step counts) for those only.
     import modeling
 
-    targets = [m for name, m in modeling.build_model("tiny").named_modules() if name.endswith("_proj")]
-    adapter_bytes = sum(4 * (m.in_features + m.out_features) for m in targets) * 4 // 2
+    model = modeling.build_model("tiny")
+    targets = [m for name, m in model.named_modules() if name.endswith("_proj")]
+    adapter_bytes = (sum(4 * (m.in_features + m.out_features) for m in targets) + 8 * model.config.hidden_size) * 4 // 2
     lora = fake_runs["lora rank 4"]
     assert total(lora, PARAMETERS) == total(fake_runs["fsdp2 world 2"], PARAMETERS) + adapter_bytes
-    assert total(lora, OPTIMIZER) == 2 * adapter_bytes + 4 * 2 * len(targets)
+    assert total(lora, OPTIMIZER) == 2 * adapter_bytes + 4 * (2 * len(targets) + 1)
     assert 0 < total(lora, GRADIENTS) <= 2 * adapter_bytes
 
 
